@@ -1,0 +1,394 @@
+"""Block handlers: how each kind of recognised block is described, rewritten, undone and checked.
+
+* `TorchLayerHandler`: `nn.TransformerEncoderLayer` / `nn.TransformerDecoderLayer`. Their forward
+  already implements both placements behind `norm_first`; we flip it.
+* `HookedHandler`: any block whose forward computes `norm(x + branch(x))` with module calls (read by
+  tracing, declared with `register_block`, or known, like Hugging Face's BERT layer). Rewritten with
+  the hooks of `hooks.py`; the user's forward keeps running.
+
+Every handler checks a converted block on a probe input against the formula it promises,
+`s <- s + c * F(LN(s))` per sublayer, before `convert` reports it converted.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ln_lightning.placement import hooks
+from ln_lightning.placement.report import BlockInfo, SublayerInfo
+from ln_lightning.placement.scale import BranchScale
+from ln_lightning.placement.trace import EntryPlan, RewritePlan, Unrecognised
+
+CHECK_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.detach().double(), expected.detach().double()
+    if a.shape != e.shape:
+        raise CheckFailed(f"shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+    return ((a - e).norm() / e.norm().clamp_min(1e-12)).item()
+
+
+def _stream_out(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class ScaleFactory:
+    """Makes the BranchScale for one sublayer, or None (no scaling)."""
+
+    def __init__(self, kind, depth: int, layerscale_init: float | None):
+        from ln_lightning.placement.scale import depth_scale, layerscale_init_for_depth
+
+        self.kind = kind
+        if kind is None:
+            self.value = None
+        elif kind == "depth":
+            self.value = depth_scale(depth)
+        elif kind == "layerscale":
+            self.value = layerscale_init if layerscale_init is not None else layerscale_init_for_depth(depth)
+        else:
+            self.value = float(kind)
+
+    def __call__(self, norm: nn.Module) -> BranchScale | None:
+        if self.kind is None:
+            return None
+        w = getattr(norm, "weight", None)
+        dim = norm.normalized_shape[-1] if hasattr(norm, "normalized_shape") else None
+        device = w.device if w is not None else None
+        dtype = w.dtype if w is not None else None
+        return BranchScale(self.value, dim=dim, learnable=self.kind == "layerscale", device=device, dtype=dtype)
+
+
+def _scale_value(scale: nn.Module | None):
+    return 1.0 if scale is None else scale.value().detach().double()
+
+
+class Handler:
+    recogniser = ""
+
+    def __init__(self, block: nn.Module, path: str):
+        self.block = block
+        self.path = path
+
+    # -- description --------------------------------------------------------------------------
+    def sublayers(self) -> list[SublayerInfo]:
+        raise NotImplementedError
+
+    def info(self) -> BlockInfo:
+        return BlockInfo(self.path, type(self.block).__name__, self.recogniser, self.sublayers())
+
+    def norms(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def output_norm(self) -> nn.Module | None:
+        """The norm that produced the block's output when post-norm (used to initialise a final norm)."""
+        return self.norms()[-1]
+
+    def stream_dim(self) -> int:
+        return self.norms()[0].normalized_shape[-1]
+
+    def probe_args(self, x: torch.Tensor) -> tuple[tuple, dict]:
+        return (x,), {}
+
+    # -- rewriting ------------------------------------------------------------------------------
+    def can_convert_to(self, placement: str) -> str | None:
+        """None if possible, else the reason."""
+        return None
+
+    def to_pre(self, scales: ScaleFactory) -> list[str]:
+        raise NotImplementedError
+
+    def to_post(self) -> list[str]:
+        raise NotImplementedError
+
+    def check(self, args: tuple, kwargs: dict, placement: str) -> float:
+        raise NotImplementedError
+
+    def _add_scale(self, name: str, scale: BranchScale) -> str:
+        if hasattr(self.block, name):
+            raise Unrecognised(f"block already has an attribute {name!r}; cannot add a branch scale there")
+        self.block.add_module(name, scale)
+        return f"{self.path}.{name}" if self.path else name
+
+    def _remove_scale(self, name: str) -> str | None:
+        if name in self.block._modules and isinstance(self.block._modules[name], BranchScale):
+            del self.block._modules[name]
+            return f"{self.path}.{name}" if self.path else name
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn.TransformerEncoderLayer / TransformerDecoderLayer
+# ---------------------------------------------------------------------------------------------
+
+
+class TorchLayerHandler(Handler):
+    def __init__(self, block, path):
+        super().__init__(block, path)
+        self.decoder = isinstance(block, nn.TransformerDecoderLayer)
+        self.recogniser = f"torch.{type(block).__name__}" if type(block) in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer) else "torch transformer layer"
+        # (name, norm, dropout at the branch's end)
+        if self.decoder:
+            self.parts = [("self_attn", "norm1", "dropout1"), ("cross_attn", "norm2", "dropout2"), ("ff", "norm3", "dropout3")]
+        else:
+            self.parts = [("self_attn", "norm1", "dropout1"), ("ff", "norm2", "dropout2")]
+
+    def sublayers(self):
+        p = "pre" if self.block.norm_first else "post"
+        branches = {"self_attn": "self_attn", "cross_attn": "multihead_attn", "ff": "linear1 > activation > linear2"}
+        return [SublayerInfo(n, p, f"{self.path}.{norm}", branches[n]) for n, norm, _ in self.parts]
+
+    def norms(self):
+        return [getattr(self.block, norm) for _, norm, _ in self.parts]
+
+    def probe_args(self, x):
+        if self.decoder:
+            return (x, x.flip(0).contiguous()), {}
+        return (x,), {}
+
+    def _scale_name(self, name):
+        return f"{name}_scale"
+
+    def to_pre(self, scales):
+        added = []
+        if scales.kind is not None:
+            for name, norm, drop in self.parts:
+                scale = scales(getattr(self.block, norm))
+                added.append(self._add_scale(self._scale_name(name), scale))
+                # A hook on the module disables torch's eval fast path, which would skip the scale.
+                getattr(self.block, drop).register_forward_hook(hooks.ScaleBranchOutput(scale, None))
+        self.block.norm_first = True
+        return added
+
+    def to_post(self):
+        removed = []
+        for name, _, drop in self.parts:
+            hooks.remove_our_hooks(getattr(self.block, drop), hooks.ScaleBranchOutput)
+            r = self._remove_scale(self._scale_name(name))
+            if r:
+                removed.append(r)
+        self.block.norm_first = False
+        return removed
+
+    def check(self, args, kwargs, placement):
+        """The layer's output against its formula written out with its own submodules."""
+        layer = self.block
+        bound = inspect.signature(layer.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        x = args[0]
+        with hooks.bypass():
+            if self.decoder:
+                mem = a["memory"]
+
+                def sa(z):
+                    return layer.dropout1(layer.self_attn(z, z, z, attn_mask=a["tgt_mask"], key_padding_mask=a["tgt_key_padding_mask"], need_weights=False, is_causal=a["tgt_is_causal"])[0])
+
+                def ca(z):
+                    return layer.dropout2(layer.multihead_attn(z, mem, mem, attn_mask=a["memory_mask"], key_padding_mask=a["memory_key_padding_mask"], need_weights=False, is_causal=a["memory_is_causal"])[0])
+
+                def ff(z):
+                    return layer.dropout3(layer.linear2(layer.dropout(layer.activation(layer.linear1(z)))))
+
+                fns = [sa, ca, ff]
+            else:
+
+                def sa(z):
+                    return layer.dropout1(layer.self_attn(z, z, z, attn_mask=a["src_mask"], key_padding_mask=a["src_key_padding_mask"], need_weights=False, is_causal=a["is_causal"])[0])
+
+                def ff(z):
+                    return layer.dropout2(layer.linear2(layer.dropout(layer.activation(layer.linear1(z)))))
+
+                fns = [sa, ff]
+            s = x
+            for (name, norm, _), f in zip(self.parts, fns):
+                scale = getattr(layer, self._scale_name(name), None)
+                n = getattr(layer, norm)
+                if placement == "pre":
+                    b = f(n(s))
+                    s = s + (b if scale is None else scale(b))
+                else:
+                    s = n(s + f(s))
+        out = layer(*args, **kwargs)
+        return _rel(out, s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hook-rewritten blocks (traced, registered, Hugging Face BERT family)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HookedSublayer:
+    name: str
+    written: str  # placement as the forward is written: post | pre | sandwich | none
+    norm: str | None
+    branch: str  # for the report
+    plan: RewritePlan | None
+    reason: str = ""  # why it cannot be rewritten (when plan is None)
+
+
+class _RecordExit:
+    def __init__(self, index: int | None):
+        self.index = index
+
+    def __call__(self, module, args, output):
+        rec = getattr(hooks._state, "capture", None)
+        if rec is not None:
+            value = output if self.index is None else output[self.index]
+            rec.append(("exit", module, value))
+
+
+class HookedHandler(Handler):
+    def __init__(self, block, path, subs: list[HookedSublayer], recogniser: str):
+        super().__init__(block, path)
+        self.subs = subs
+        self.recogniser = recogniser
+
+    def _get(self, rel: str) -> nn.Module:
+        return self.block.get_submodule(rel)
+
+    def _full(self, rel: str | None) -> str | None:
+        if rel is None:
+            return None
+        return f"{self.path}.{rel}" if self.path else rel
+
+    def _current(self, sub: HookedSublayer) -> str:
+        if sub.written == "post" and hooks.is_deferred(self._get(sub.norm)):
+            return "pre"
+        return sub.written
+
+    def sublayers(self):
+        return [SublayerInfo(s.name, self._current(s), self._full(s.norm), s.branch) for s in self.subs]
+
+    def norms(self):
+        return [self._get(s.norm) for s in self.subs if s.norm is not None]
+
+    def output_norm(self):
+        last = self.subs[-1]
+        return self._get(last.norm) if last.norm is not None and last.written == "post" else None
+
+    def _scale_name(self, sub: HookedSublayer) -> str:
+        return f"{sub.name.replace('.', '_')}_scale"
+
+    def can_convert_to(self, placement):
+        written = {s.written for s in self.subs}
+        if placement == "pre":
+            if written == {"pre"}:
+                return None
+            if written != {"post"}:
+                return f"its sublayers are written as {'/'.join(sorted(written))}; only post-norm sublayers can be moved to pre-norm"
+            for s in self.subs:
+                if s.plan is None:
+                    return s.reason
+            return None
+        # post: only what we converted can go back (the user's pre-norm code is not rewritten).
+        if written == {"post"}:
+            return None
+        return f"the block is written as {'/'.join(sorted(written))}-norm in its own forward; ln_lightning moves norms into branches with hooks and can only undo its own rewrite"
+
+    def to_pre(self, scales):
+        for s in self.subs:
+            if scales.kind is not None and s.plan.exit_module is None:
+                raise Unrecognised(f"cannot scale sublayer {s.name}: {s.plan.exit_reason}")
+        added = []
+        for s in self.subs:
+            if self._current(s) == "pre":
+                continue
+            norm = self._get(s.norm)
+            for e in s.plan.entries:
+                self._get(e.module).register_forward_pre_hook(
+                    hooks.NormalizeBranchInput(norm, e.arg_positions, e.kwarg_names), with_kwargs=True
+                )
+            scale = scales(norm)
+            if scale is not None:
+                added.append(self._add_scale(self._scale_name(s), scale))
+                self._get(s.plan.exit_module).register_forward_hook(hooks.ScaleBranchOutput(scale, s.plan.exit_index))
+            hooks.defer_norm(norm)
+        return added
+
+    def to_post(self):
+        removed = []
+        for s in self.subs:
+            if self._current(s) != "pre" or s.written != "post":
+                continue
+            for e in s.plan.entries:
+                hooks.remove_our_hooks(self._get(e.module), hooks.NormalizeBranchInput)
+            if s.plan.exit_module is not None:
+                hooks.remove_our_hooks(self._get(s.plan.exit_module), hooks.ScaleBranchOutput)
+            r = self._remove_scale(self._scale_name(s))
+            if r:
+                removed.append(r)
+            hooks.undefer_norm(self._get(s.norm))
+        return removed
+
+    def check(self, args, kwargs, placement):
+        if placement == "post":
+            return 0.0  # undoing our hooks restores the user's own forward; convert compares outputs directly
+        exits = []
+        for s in self.subs:
+            if s.plan.exit_module is None:
+                raise CheckFailed(f"sublayer {s.name}: {s.plan.exit_reason}, so its output can't be observed")
+            exits.append(self._get(s.plan.exit_module).register_forward_hook(_RecordExit(s.plan.exit_index), prepend=True))
+        try:
+            with hooks.capture() as records:
+                out = _stream_out(self.block(*args, **kwargs))
+        finally:
+            for h in exits:
+                h.remove()
+        # Group records into (stream in, branch out) per sublayer, in execution order.
+        seq: list[list] = []
+        for kind, key, value in records:
+            if kind == "entry":
+                if not seq or seq[-1][0] is not key:
+                    seq.append([key, value, None])
+            else:
+                if not seq or seq[-1][2] is not None:
+                    raise CheckFailed("a branch's exit ran before its entry")
+                if not isinstance(value, torch.Tensor):
+                    raise CheckFailed(f"the branch returns a {type(value).__name__}, not a tensor")
+                seq[-1][2] = value
+        if len(seq) != len(self.subs) or any(r[2] is None for r in seq):
+            raise CheckFailed(f"expected {len(self.subs)} sublayers to run in order, observed {len(seq)}")
+        x = args[0] if args else next(iter(kwargs.values()))
+        err = _rel(seq[0][1], x)
+        for i, (norm, s_in, b) in enumerate(seq):
+            scale = getattr(self.block, self._scale_name(self.subs[i]), None)
+            expected = s_in.double() + _scale_value(scale) * b.double()
+            nxt = seq[i + 1][1] if i + 1 < len(seq) else out
+            err = max(err, _rel(nxt, expected))
+        return err
+
+
+def bert_handler(block: nn.Module, path: str) -> HookedHandler | None:
+    """Hugging Face BERT-family layers (BERT, RoBERTa, ELECTRA, ... share this structure)."""
+    try:
+        att_self = block.attention.self
+        att_out = block.attention.output
+        inter = block.intermediate
+        out = block.output
+        ok = all(isinstance(m, nn.Module) for m in (att_self, att_out, inter, out))
+        ok = ok and all(hasattr(m, n) for m, n in ((att_out, "LayerNorm"), (att_out, "dense"), (att_out, "dropout"), (out, "LayerNorm"), (out, "dense"), (out, "dropout")))
+    except AttributeError:
+        return None
+    if not ok:
+        return None
+    subs = [
+        HookedSublayer("attention", "post", "attention.output.LayerNorm", "attention.self > attention.output.dense",
+                       RewritePlan("attention.output.LayerNorm", [EntryPlan("attention.self", (0,), ("hidden_states",))], "attention.output.dropout", None)),
+        HookedSublayer("ffn", "post", "output.LayerNorm", "intermediate > output.dense",
+                       RewritePlan("output.LayerNorm", [EntryPlan("intermediate", (0,), ("hidden_states",))], "output.dropout", None)),
+    ]
+    h = HookedHandler(block, path, subs, "huggingface BERT-family layer")
+    if getattr(block, "crossattention", None) is not None:
+        for s in h.subs:
+            s.plan, s.reason = None, "BERT decoder layers with cross-attention are not supported"
+    return h

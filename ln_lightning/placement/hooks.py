@@ -1,0 +1,225 @@
+"""The mechanism that moves a LayerNorm from after a residual add to the branch input.
+
+A post-norm sublayer is written in the user's `forward` as `x = norm(x + branch(x))`. We do not
+rewrite that code (it may branch on masks, modes or config that a trace cannot see). Instead:
+
+* the norm module becomes a pass-through at its call site (`DeferredNorm`): `norm(x + b)` returns
+  `x + b`, so the stream is no longer normalised;
+* a forward pre-hook on every module where the branch first reads `x` (its *entries*) replaces those
+  arguments by `norm.normalize(x)`, so the branch computes `branch(LN(x))`;
+* optionally a forward hook on the branch's last module (its *exit*) scales its output by `c`.
+
+Together: `x <- x + c * branch(LN(x))`, the pre-norm formula, with every parameter where it was
+(same module paths, same tensors). Undoing the three steps restores the original function exactly.
+
+`bypass()` switches all of it off for the current thread: the model then computes its original
+function. `convert` uses that to measure how much the conversion changed the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+_state = threading.local()
+
+
+def _bypassed() -> bool:
+    return getattr(_state, "bypass", False)
+
+
+@contextlib.contextmanager
+def bypass():
+    """Run the model's original (unconverted) function inside this block, on this thread."""
+    old = _bypassed()
+    _state.bypass = True
+    try:
+        yield
+    finally:
+        _state.bypass = old
+
+
+# ---------------------------------------------------------------------------------------------
+# DeferredNorm: a norm whose call site passes its input through; normalisation runs at the entries.
+# ---------------------------------------------------------------------------------------------
+
+
+class DeferredNorm:
+    """Mixin placed in front of a norm's own class (nn.LayerNorm, FusedLayerNorm, nn.RMSNorm, ...).
+
+    The instance keeps its parameters, buffers, hooks and module path; only `forward` changes.
+    `normalize(x)` is the original normalisation; monitors that want the input a deferred norm
+    really normalises register with `register_normalize_hook` (same signature as a forward hook).
+    """
+
+    ln_lightning_deferred = True
+
+    def forward(self, x, *args, **kwargs):  # the call site: pass-through
+        if _bypassed():
+            return super().forward(x, *args, **kwargs)
+        return x
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        hooks = self.__dict__.get("_ln_normalize_hooks")
+        if hooks:
+            for hook in list(hooks.values()):
+                hook(self, (x,), y)
+        return y
+
+    def register_normalize_hook(self, hook: Callable[[nn.Module, tuple, torch.Tensor], Any]):
+        """Call `hook(module, (input,), output)` each time this norm really normalises."""
+        hooks = self.__dict__.setdefault("_ln_normalize_hooks", {})
+        handle = torch.utils.hooks.RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
+    def __reduce_ex__(self, protocol):
+        # The class is made at run time; pickle the instance as "base class + state" instead.
+        return _rebuild_deferred, (type(self).__mro__[2], self.__dict__)
+
+
+_deferred_classes: dict[type, type] = {}
+
+
+def _deferred_class(base: type) -> type:
+    cls = _deferred_classes.get(base)
+    if cls is None:
+        cls = type(f"Deferred{base.__name__}", (DeferredNorm, base), {"__module__": __name__})
+        _deferred_classes[base] = cls
+    return cls
+
+
+def _rebuild_deferred(base: type, state: dict) -> nn.Module:
+    obj = _deferred_class(base).__new__(_deferred_class(base))
+    obj.__dict__.update(state)
+    return obj
+
+
+def defer_norm(norm: nn.Module) -> None:
+    if isinstance(norm, DeferredNorm):
+        return
+    norm.__class__ = _deferred_class(type(norm))
+
+
+def undefer_norm(norm: nn.Module) -> None:
+    if isinstance(norm, DeferredNorm):
+        norm.__class__ = type(norm).__mro__[2]
+        norm.__dict__.pop("_ln_normalize_hooks", None)
+
+
+def is_deferred(norm: nn.Module) -> bool:
+    return isinstance(norm, DeferredNorm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks. They are small top-level classes (not closures) so that deepcopy and pickle of a converted
+# model keep working, and so `convert(placement="post")` can find and remove exactly its own hooks.
+# ---------------------------------------------------------------------------------------------
+
+
+class NormalizeBranchInput:
+    """Forward pre-hook on a branch entry: the arguments that carried the stream get `norm.normalize`."""
+
+    def __init__(self, norm: nn.Module, arg_positions: tuple[int, ...], kwarg_names: tuple[str, ...]):
+        self.norm = norm
+        self.arg_positions = arg_positions
+        self.kwarg_names = kwarg_names
+
+    def __call__(self, module, args, kwargs):
+        if _bypassed():
+            return None
+        # One normalisation per call even when the stream is passed several times (q, k, v).
+        cache: dict[int, torch.Tensor] = {}
+
+        def norm_of(t):
+            key = id(t)
+            if key not in cache:
+                cache[key] = self.norm.normalize(t)
+            return cache[key]
+
+        capture = getattr(_state, "capture", None)
+        if capture is not None:
+            first = args[self.arg_positions[0]] if self.arg_positions else kwargs[self.kwarg_names[0]]
+            capture.append(("entry", self.norm, first))
+        args = list(args)
+        for i in self.arg_positions:
+            if i < len(args):
+                args[i] = norm_of(args[i])
+        kwargs = dict(kwargs)
+        for k in self.kwarg_names:
+            if k in kwargs:
+                kwargs[k] = norm_of(kwargs[k])
+        return tuple(args), kwargs
+
+
+class ScaleBranchOutput:
+    """Forward hook on a branch exit: output (or `output[index]`) times `scale` (a module)."""
+
+    def __init__(self, scale: nn.Module | None, index: int | None):
+        self.scale = scale
+        self.index = index
+
+    def __call__(self, module, args, output):
+        if _bypassed():
+            return None
+        value = output if self.index is None else output[self.index]
+        capture = getattr(_state, "capture", None)
+        if capture is not None:
+            capture.append(("exit", self.scale, value))
+        if self.scale is None:
+            return None
+        value = self.scale(value)
+        if self.index is None:
+            return value
+        out = list(output)
+        out[self.index] = value
+        return type(output)(out) if isinstance(output, tuple) else out
+
+
+class ApplyFinalNorm:
+    """Forward hook on the last block of a stack (or on the stack itself): output -> final_norm(output)."""
+
+    def __init__(self, norm: nn.Module):
+        self.norm = norm
+
+    def __call__(self, module, args, output):
+        if _bypassed():
+            return None
+        return self.norm(output)
+
+
+OUR_HOOK_TYPES = (NormalizeBranchInput, ScaleBranchOutput, ApplyFinalNorm)
+
+
+def remove_our_hooks(module: nn.Module, kind: type) -> int:
+    """Remove this package's hooks of `kind` from `module`; returns how many."""
+    n = 0
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [k for k, h in hooks.items() if isinstance(h, kind)]:
+            del hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+            getattr(module, "_forward_hooks_with_kwargs", {}).pop(key, None)
+            getattr(module, "_forward_hooks_always_called", {}).pop(key, None)
+            n += 1
+    return n
+
+
+def our_hooks(module: nn.Module) -> list:
+    return [h for d in (module._forward_pre_hooks, module._forward_hooks) for h in d.values() if isinstance(h, OUR_HOOK_TYPES)]
+
+
+@contextlib.contextmanager
+def capture():
+    """Record (kind, owner, tensor) at every entry/exit hook that fires in this block, in order."""
+    old = getattr(_state, "capture", None)
+    records: list = []
+    _state.capture = records
+    try:
+        yield records
+    finally:
+        _state.capture = old
