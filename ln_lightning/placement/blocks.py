@@ -109,7 +109,8 @@ class Handler:
     def to_post(self) -> list[str]:
         raise NotImplementedError
 
-    def check(self, args: tuple, kwargs: dict, placement: str) -> float:
+    def check(self, args: tuple, kwargs: dict, placement: str) -> tuple[float, torch.Tensor]:
+        """(relative error of the block's output against its formula, the output)."""
         raise NotImplementedError
 
     def _add_scale(self, name: str, scale: BranchScale) -> str:
@@ -218,7 +219,7 @@ class TorchLayerHandler(Handler):
                 else:
                     s = n(s + f(s))
         out = layer(*args, **kwargs)
-        return _rel(out, s)
+        return _rel(out, s), out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,9 +331,67 @@ class HookedHandler(Handler):
             hooks.undefer_norm(self._get(s.norm))
         return removed
 
+    def verify_written(self, args, kwargs) -> None:
+        """Check the plan against the user's forward before touching it: for every sublayer, the
+        declared norm must receive `stream + branch output` and feed the next sublayer."""
+        records: list = []
+
+        def on_entry(norm):
+            def hook(mod, a, kw):
+                records.append(("entry", norm, a[0] if a else next(iter(kw.values()))))
+            return hook
+
+        def on_exit(index):
+            def hook(mod, a, out):
+                records.append(("exit", None, out if index is None else out[index]))
+            return hook
+
+        def on_norm(mod, a, out):
+            records.append(("norm", mod, (a[0], out)))
+
+        handles = []
+        try:
+            for s in self.subs:
+                norm = self._get(s.norm)
+                for e in s.plan.entries:
+                    handles.append(self._get(e.module).register_forward_pre_hook(on_entry(norm), with_kwargs=True, prepend=True))
+                handles.append(self._get(s.plan.exit_module).register_forward_hook(on_exit(s.plan.exit_index), prepend=True))
+                handles.append(norm.register_forward_hook(on_norm, prepend=True))
+            out = _stream_out(self.block(*args, **kwargs))
+        finally:
+            for h in handles:
+                h.remove()
+        # Collapse repeated entries of one sublayer (q, k, v modules) into one.
+        seq, last = [], None
+        for r in records:
+            if r[0] == "entry" and last is not None and last[0] == "entry" and last[1] is r[1]:
+                continue
+            seq.append(r)
+            last = r
+        kinds = [r[0] for r in seq]
+        if kinds != ["entry", "exit", "norm"] * len(self.subs):
+            raise CheckFailed(f"forward did not run entry -> exit -> norm for each declared sublayer (observed {' -> '.join(kinds)})")
+        x = args[0] if args else next(iter(kwargs.values()))
+        err = _rel(seq[0][2], x)
+        for i, s in enumerate(self.subs):
+            (_, norm, s_in), (_, _, b), (_, mod, (n_in, n_out)) = seq[3 * i : 3 * i + 3]
+            if mod is not self._get(s.norm) or norm is not mod:
+                raise CheckFailed(f"sublayer {s.name}: the norm applied after its add is not {s.norm}")
+            if not isinstance(b, torch.Tensor):
+                raise CheckFailed(f"the branch of sublayer {s.name} returns a {type(b).__name__}, not a tensor")
+            err = max(err, _rel(n_in, s_in.double() + b.double()))
+            nxt = seq[3 * i + 3][2] if i + 1 < len(self.subs) else out
+            err = max(err, _rel(nxt, n_out))
+        if err > 1e-5:
+            raise CheckFailed(f"forward does not compute norm(x + branch(x)) as declared (relative error {err:.1e})")
+        return out
+
     def check(self, args, kwargs, placement):
         if placement == "post":
-            return 0.0  # undoing our hooks restores the user's own forward; convert compares outputs directly
+            # Undoing our hooks must give back the user's own forward exactly: compare with bypass.
+            out = _stream_out(self.block(*args, **kwargs))
+            with hooks.bypass():
+                return _rel(out, _stream_out(self.block(*args, **kwargs))), out
         exits = []
         for s in self.subs:
             if s.plan.exit_module is None:
@@ -365,7 +424,7 @@ class HookedHandler(Handler):
             expected = s_in.double() + _scale_value(scale) * b.double()
             nxt = seq[i + 1][1] if i + 1 < len(seq) else out
             err = max(err, _rel(nxt, expected))
-        return err
+        return err, out
 
 
 def bert_handler(block: nn.Module, path: str) -> HookedHandler | None:

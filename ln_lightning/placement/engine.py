@@ -151,9 +151,8 @@ def _discover(model: nn.Module) -> _Found:
             try:
                 h = _recognise(child, cpath)
             except Unrecognised as e:
-                direct_norm = any(isinstance(c, types) for c in child.children())
-                has_container = any(isinstance(c, _CONTAINERS) for c in child.modules())
-                if is_container or (direct_norm and not has_container):
+                # Blocks live in containers; elsewhere (embeddings, heads) a norm is not a placement question.
+                if is_container:
                     found.unrecognised.append(SkippedModule(cpath, type(child).__name__, str(e)))
                 h = None
             if h is not None:
@@ -195,14 +194,25 @@ def _added_final_norm(stack: _Stack) -> tuple[str, nn.Module] | None:
 
 
 def _detect_final_norm(model: nn.Module, stack: _Stack, blocks: set, example: Any) -> None:
-    if stack.path == "":
+    if stack.path == "" and not isinstance(stack.container, _CONTAINERS):
         stack.final_norm, stack.final_known, stack.final_detail = None, False, "the model is a single block"
         return
-    owner, owner_path, attr = _owner(model, stack)
     added = _added_final_norm(stack)
     if added is not None:
         stack.final_norm = added[0]
         return
+    if isinstance(stack.container, nn.Sequential):
+        # Whatever follows the last block inside the Sequential receives its output.
+        names = list(stack.container._modules)
+        i = names.index(stack.handlers[-1].path.rpartition(".")[2])
+        if i + 1 < len(names):
+            nxt = stack.container._modules[names[i + 1]]
+            stack.final_norm = _join(stack.path, names[i + 1]) if isinstance(nxt, norm_types()) else None
+            return
+    if stack.path == "":
+        stack.final_norm = None  # nothing outside the root container can follow it
+        return
+    owner, owner_path, attr = _owner(model, stack)
     if isinstance(owner, (nn.TransformerEncoder, nn.TransformerDecoder)) and owner.layers is stack.container:
         stack.final_norm = _join(owner_path, "norm") if owner.norm is not None else None
         return
@@ -315,6 +325,17 @@ def _remove_added_final_norm(model: nn.Module, stack: _Stack) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Running probes
 # ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _one_thread():
+    # Probes are tiny: a thread pool costs more than it saves, and far more on a busy machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 @contextlib.contextmanager
@@ -545,6 +566,11 @@ def convert(
             "or convert before moving it to meta"
         )
 
+    with _one_thread():
+        return _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init)
+
+
+def _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init) -> ConversionReport:
     options = {"final_norm": final_norm, "branch_scale": branch_scale, "strict": strict}
     if layerscale_init is not None:
         options["layerscale_init"] = layerscale_init
@@ -588,7 +614,6 @@ def convert(
                 h.to_pre(ScaleFactory(None, 1, None))
         raise
 
-    changes = [b.check_error for b in report.blocks if b.check_error is not None]
     block_change = max((c for c in _block_changes(report)), default=0.0)
     if model_before is not None and report.changed:
         after = _first_tensor(_run_model(model, example))
@@ -600,7 +625,6 @@ def convert(
     else:
         report.output_change, report.output_change_scope = 0.0, "model" if model_before is not None else "blocks"
     report.preserves_function = (report.output_change or 0.0) <= PRESERVE_TOLERANCE and not report.added and not report.removed
-    del changes
     return report
 
 
@@ -628,7 +652,14 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, shared_reas
     try:
         args, kwargs = captured if captured is not None else _synthetic_probe(h)
         with _eval_no_grad(h.block):
-            y_before = _first_tensor(h.block(*args, **kwargs))
+            if placement == "pre" and isinstance(h, HookedHandler):
+                try:  # the plan against the user's forward, before anything changes
+                    y_before = h.verify_written(args, kwargs)
+                except CheckFailed as e:
+                    change.status, change.reason = "skipped", f"probe check failed, block left unchanged: {e}"
+                    return change
+            else:
+                y_before = _first_tensor(h.block(*args, **kwargs))
     except Exception as e:
         change.status, change.reason = "skipped", f"running the block on a probe input failed ({type(e).__name__}: {e}); pass example_input= to probe it with real inputs"
         return change
@@ -639,12 +670,7 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, shared_reas
         return change
     try:
         with _eval_no_grad(h.block):
-            err = h.check(args, kwargs, placement)
-            y_after = _first_tensor(h.block(*args, **kwargs))
-        if placement == "post" and isinstance(h, HookedHandler):
-            # Undoing our own hooks must give back the user's forward exactly: compare with bypass.
-            with _eval_no_grad(h.block), hooks.bypass():
-                err = max(err, _rel_change(y_after, _first_tensor(h.block(*args, **kwargs))))
+            err, y_after = h.check(args, kwargs, placement)
         tol = CHECK_TOLERANCE.get(args[0].dtype if args and isinstance(args[0], torch.Tensor) else torch.float32, 1e-5)
         if not (err <= tol):
             raise CheckFailed(f"output differs from the {placement}-norm formula by {err:.2e} (relative; tolerance {tol:.0e})")
@@ -680,6 +706,12 @@ def _final_norm_step(model, stack: _Stack, placement, final_norm, strict, report
         return
     if not stack.final_known:
         msg = f"stack {stack.path}: could not tell whether it has a final norm, so none was added: {stack.final_detail}"
+        if strict:
+            raise PlacementError("strict conversion: " + msg)
+        report.notes.append(msg)
+        return
+    if stack.path == "":
+        msg = f"the model itself is the stack ({type(stack.container).__name__}); there is no module to hold a final norm without renumbering its layers: wrap it in a module and convert that"
         if strict:
             raise PlacementError("strict conversion: " + msg)
         report.notes.append(msg)

@@ -167,12 +167,9 @@ class ScaleBranchOutput:
     def __call__(self, module, args, output):
         if _bypassed():
             return None
-        value = output if self.index is None else output[self.index]
-        capture = getattr(_state, "capture", None)
-        if capture is not None:
-            capture.append(("exit", self.scale, value))
         if self.scale is None:
             return None
+        value = output if self.index is None else output[self.index]
         value = self.scale(value)
         if self.index is None:
             return value

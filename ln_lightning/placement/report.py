@@ -210,7 +210,9 @@ class ConversionReport:
             out.append(f"added: {a}")
         for r in self.removed:
             out.append(f"removed: {r}")
-        if not self.changed:
+        if not self.changed and self.skipped:
+            out.append(f"Nothing changed: {len(self.skipped)} block(s) could not be converted (reasons above); the model is as it was.")
+        elif not self.changed:
             out.append("Nothing changed: the model already has the requested placement.")
         elif self.preserves_function:
             out.append("The model computes the same function as before.")

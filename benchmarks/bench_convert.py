@@ -1,0 +1,65 @@
+"""How long `inspect_model` and `convert` take on deep models (the issue's bar: well under a second for 96 blocks).
+
+    python benchmarks/bench_convert.py [--blocks 96] [--width 256] [--json out.json]
+
+Times the demo post-norm LM (hand-written blocks, read by tracing) and an nn.TransformerEncoder,
+each converted to pre-norm with every block's probe check, median of a few runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from ln_lightning import convert, inspect_model
+from ln_lightning.demo.models import PostNormTransformerLM
+
+
+def _time(fn, repeats):
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=96)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    builders = {
+        "PostNormTransformerLM (traced blocks)": lambda: PostNormTransformerLM(128, args.width, args.blocks, 4, 64),
+        "nn.TransformerEncoder": lambda: nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(args.width, 4, 4 * args.width, batch_first=True), args.blocks, enable_nested_tensor=False
+        ),
+    }
+    rows = []
+    for name, build in builders.items():
+        models = [build() for _ in range(args.repeats)]
+        t_inspect = _time(lambda: inspect_model(models[0]), args.repeats)
+        it = iter(models)
+        t_convert = _time(lambda: convert(next(it), "pre"), args.repeats)
+        report = convert(build(), "pre")
+        assert len(report.converted) == args.blocks, report.summary()
+        rows.append({"model": name, "blocks": args.blocks, "width": args.width, "inspect_s": t_inspect, "convert_s": t_convert,
+                     "convert_ms_per_block": 1000 * t_convert / args.blocks})
+    print(f"{'model':40s} {'blocks':>6s} {'inspect (s)':>12s} {'convert (s)':>12s} {'ms/block':>9s}")
+    for r in rows:
+        print(f"{r['model']:40s} {r['blocks']:6d} {r['inspect_s']:12.3f} {r['convert_s']:12.3f} {r['convert_ms_per_block']:9.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
