@@ -373,3 +373,27 @@ def test_reports_print_and_serialise():
     d = json.loads(json.dumps(rep.to_dict()))
     assert d["changed"] and d["preserves_function"] is False and d["output_change_scope"] == "model"
     assert "CHANGES the function" in str(rep)
+
+
+def test_hooks_on_a_deferred_norm_see_what_it_normalises():
+    """A LayerNorm monitor's forward hook must see the norm's real input after conversion."""
+    torch.manual_seed(0)
+    block = Post(8)
+    seen_before, seen_after = [], []
+    h1 = block.ln.register_forward_hook(lambda m, a, o: seen_before.append((a[0].clone(), o.clone())))
+    convert(nn.ModuleList([block]), "pre", final_norm=False)
+    h2 = block.ln.register_forward_hook(lambda m, a, o: seen_after.append((a[0].clone(), o.clone())))
+    seen_before.clear()
+    x = torch.randn(2, 3, 8)
+    block(x)
+    for seen in (seen_before, seen_after):
+        assert len(seen) == 1  # the pass-through call at the user's call site is not reported
+        inp, out = seen[0]
+        torch.testing.assert_close(inp, x)  # pre-norm: the norm reads the block's input stream
+        torch.testing.assert_close(out, _ln(block.ln, x))
+    h1.remove(), h2.remove()
+    convert(nn.ModuleList([block]), "post")
+    assert len(block.ln._forward_hooks) == 0
+    seen_before.clear()
+    block(x)
+    assert seen_before == []

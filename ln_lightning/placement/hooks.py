@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -51,9 +52,13 @@ def bypass():
 class DeferredNorm:
     """Mixin placed in front of a norm's own class (nn.LayerNorm, FusedLayerNorm, nn.RMSNorm, ...).
 
-    The instance keeps its parameters, buffers, hooks and module path; only `forward` changes.
-    `normalize(x)` is the original normalisation; monitors that want the input a deferred norm
-    really normalises register with `register_normalize_hook` (same signature as a forward hook).
+    The instance keeps its parameters, buffers and module path; only `forward` changes: at its
+    call site in the user's code it passes its input through, and `normalize(x)` (called from the
+    branch's entry) is the original normalisation.
+
+    Hooks follow the normalisation: forward (pre-)hooks registered on a deferred norm, before or
+    after it was deferred, fire when it really normalises, with the tensor it normalises, never for
+    the pass-through call. Monitors and user hooks on LayerNorms so keep measuring what they meant.
     """
 
     ln_lightning_deferred = True
@@ -64,23 +69,42 @@ class DeferredNorm:
         return x
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.__dict__
+        for key, hook in list(d["_ln_pre_hooks"].items()):
+            if key in d["_ln_pre_kw"]:
+                r = hook(self, (x,), {})
+                if r is not None:
+                    x = r[0][0]
+            else:
+                r = hook(self, (x,))
+                if r is not None:
+                    x = r[0] if isinstance(r, tuple) else r
         y = super().forward(x)
-        hooks = self.__dict__.get("_ln_normalize_hooks")
-        if hooks:
-            for hook in list(hooks.values()):
-                hook(self, (x,), y)
+        for key, hook in list(d["_ln_post_hooks"].items()):
+            r = hook(self, (x,), {}, y) if key in d["_ln_post_kw"] else hook(self, (x,), y)
+            if r is not None:
+                y = r
         return y
 
-    def register_normalize_hook(self, hook: Callable[[nn.Module, tuple, torch.Tensor], Any]):
-        """Call `hook(module, (input,), output)` each time this norm really normalises."""
-        hooks = self.__dict__.setdefault("_ln_normalize_hooks", {})
-        handle = torch.utils.hooks.RemovableHandle(hooks)
-        hooks[handle.id] = hook
-        return handle
+    def register_forward_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False, always_call: bool = False):
+        return _add_hook(self.__dict__["_ln_post_hooks"], self.__dict__["_ln_post_kw"], hook, prepend, with_kwargs)
+
+    def register_forward_pre_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False):
+        return _add_hook(self.__dict__["_ln_pre_hooks"], self.__dict__["_ln_pre_kw"], hook, prepend, with_kwargs)
 
     def __reduce_ex__(self, protocol):
         # The class is made at run time; pickle the instance as "base class + state" instead.
         return _rebuild_deferred, (type(self).__mro__[2], self.__dict__)
+
+
+def _add_hook(hooks_dict, kw_dict, hook, prepend, with_kwargs):
+    handle = torch.utils.hooks.RemovableHandle(hooks_dict, extra_dict=kw_dict)
+    hooks_dict[handle.id] = hook
+    if with_kwargs:
+        kw_dict[handle.id] = True
+    if prepend:
+        hooks_dict.move_to_end(handle.id, last=False)
+    return handle
 
 
 _deferred_classes: dict[type, type] = {}
@@ -103,13 +127,26 @@ def _rebuild_deferred(base: type, state: dict) -> nn.Module:
 def defer_norm(norm: nn.Module) -> None:
     if isinstance(norm, DeferredNorm):
         return
+    # Hand the module's hook dicts (the same objects, so existing handles still remove them) to the
+    # normalisation; the call site gets empty ones.
+    d = norm.__dict__
+    d["_ln_post_hooks"], norm._forward_hooks = norm._forward_hooks, OrderedDict()
+    d["_ln_post_kw"], norm._forward_hooks_with_kwargs = norm._forward_hooks_with_kwargs, OrderedDict()
+    d["_ln_pre_hooks"], norm._forward_pre_hooks = norm._forward_pre_hooks, OrderedDict()
+    d["_ln_pre_kw"], norm._forward_pre_hooks_with_kwargs = norm._forward_pre_hooks_with_kwargs, OrderedDict()
     norm.__class__ = _deferred_class(type(norm))
 
 
 def undefer_norm(norm: nn.Module) -> None:
-    if isinstance(norm, DeferredNorm):
-        norm.__class__ = type(norm).__mro__[2]
-        norm.__dict__.pop("_ln_normalize_hooks", None)
+    if not isinstance(norm, DeferredNorm):
+        return
+    norm.__class__ = type(norm).__mro__[2]
+    d = norm.__dict__
+    for ours, theirs in (("_ln_post_hooks", "_forward_hooks"), ("_ln_post_kw", "_forward_hooks_with_kwargs"),
+                         ("_ln_pre_hooks", "_forward_pre_hooks"), ("_ln_pre_kw", "_forward_pre_hooks_with_kwargs")):
+        restored = d.pop(ours)
+        restored.update(getattr(norm, theirs))
+        setattr(norm, theirs, restored)
 
 
 def is_deferred(norm: nn.Module) -> bool:
