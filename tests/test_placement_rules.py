@@ -397,3 +397,12 @@ def test_hooks_on_a_deferred_norm_see_what_it_normalises():
     seen_before.clear()
     block(x)
     assert seen_before == []
+
+
+def test_converted_model_compiles_without_graph_breaks():
+    torch.manual_seed(0)
+    model = PostNormTransformerLM(128, 16, 2, 2, 8)
+    convert(model, "pre", branch_scale=0.5)
+    idx = torch.randint(0, 128, (2, 8))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # fullgraph: a graph break raises
+    torch.testing.assert_close(compiled(idx), model(idx))
