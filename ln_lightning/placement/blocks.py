@@ -167,6 +167,11 @@ class TorchLayerHandler(Handler):
                 # A hook on the module disables torch's eval fast path, which would skip the scale.
                 getattr(self.block, drop).register_forward_hook(hooks.ScaleBranchOutput(scale, None))
         self.block.norm_first = True
+        from ln_lightning.placement.fused_layers import FUSED_CLASS
+
+        # Exact torch layers switch to the subclass that can fuse the stream's add into the next norm.
+        if type(self.block) in FUSED_CLASS:
+            self.block.__class__ = FUSED_CLASS[type(self.block)]
         return added
 
     def to_post(self):
@@ -177,6 +182,10 @@ class TorchLayerHandler(Handler):
             if r:
                 removed.append(r)
         self.block.norm_first = False
+        from ln_lightning.placement.fused_layers import PLAIN_CLASS
+
+        if type(self.block) in PLAIN_CLASS:
+            self.block.__class__ = PLAIN_CLASS[type(self.block)]
         return removed
 
     def check(self, args, kwargs, placement):

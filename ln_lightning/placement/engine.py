@@ -614,7 +614,7 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
                 h.to_pre(ScaleFactory(None, 1, None))
         raise
 
-    block_change = max((c for c in _block_changes(report)), default=0.0)
+    block_change = max(_block_changes(report), default=0.0)
     if model_before is not None and report.changed:
         after = _first_tensor(_run_model(model, example))
         report.output_change = _rel_change(model_before, after)
@@ -629,9 +629,7 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
 
 
 def _block_changes(report: ConversionReport):
-    for b in report.blocks:
-        if getattr(b, "_output_change", None) is not None:
-            yield b._output_change
+    return [b.output_change for b in report.blocks if b.output_change is not None]
 
 
 def _convert_block(h: Handler, placement: str, scales: ScaleFactory, shared_reason, captured, report) -> BlockChange:
@@ -688,7 +686,7 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, shared_reas
     else:
         report.removed.extend(added)
     change.status, change.after, change.check_error = "converted", placement, err
-    change._output_change = _rel_change(y_before, y_after)
+    change.output_change = _rel_change(_first_tensor(y_before), _first_tensor(y_after))
     return change
 
 
@@ -700,7 +698,11 @@ def _final_norm_step(model, stack: _Stack, placement, final_norm, strict, report
         if removed:
             report.removed.append(removed)
         return
-    if not final_norm or not pre:
+    if not final_norm:
+        return
+    if not pre:
+        if converted:
+            report.notes.append(f"stack {stack.path}: not every block is pre-norm now (see the skipped blocks), so no final norm was added")
         return
     if stack.final_norm is not None:
         return

@@ -147,6 +147,7 @@ class BlockChange:
     after: str  # placement after
     reason: str = ""  # why skipped, or what was done
     check_error: float | None = None  # max relative error of the probe check against the target formula
+    output_change: float | None = None  # relative L2 change of the block's output on the probe input
 
 
 @dataclass
@@ -202,10 +203,11 @@ class ConversionReport:
         out = [f"Conversion of {self.model} to {self.placement}-norm ({opts})", self.summary()]
         if self.blocks:
             rows = [
-                [b.path, b.status, f"{b.before} -> {b.after}", "" if b.check_error is None else f"{b.check_error:.1e}", b.reason]
+                [b.path, b.status, f"{b.before} -> {b.after}", "" if b.check_error is None else f"{b.check_error:.1e}",
+                 "" if b.output_change is None else f"{b.output_change:.1%}", b.reason]
                 for b in self.blocks
             ]
-            out.append(_table(["block", "status", "placement", "check err", "note"], rows))
+            out.append(_table(["block", "status", "placement", "check err", "output change", "note"], rows))
         for a in self.added:
             out.append(f"added: {a}")
         for r in self.removed:
