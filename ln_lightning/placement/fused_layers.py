@@ -35,7 +35,9 @@ def _fusable(layer: nn.Module, norm: nn.Module) -> bool:
 def _add_norm(branch_out: torch.Tensor, stream: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     from ln_lightning.norm import fused_add_layer_norm
 
-    return fused_add_layer_norm(branch_out, stream, norm.weight, norm.bias, norm.eps, normalized_shape=norm.normalized_shape)
+    return fused_add_layer_norm(
+        branch_out, stream, norm.weight, norm.bias, norm.eps, normalized_shape=norm.normalized_shape, backend=getattr(norm, "backend", None)
+    )
 
 
 class FusedPreNormEncoderLayer(nn.TransformerEncoderLayer):

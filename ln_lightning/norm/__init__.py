@@ -1,0 +1,51 @@
+"""Fused LayerNorm: a drop-in ``nn.LayerNorm``, a fused residual add + LayerNorm, and a model swap.
+
+* :class:`FusedLayerNorm`: ``nn.LayerNorm`` subclass, same signature and ``state_dict``.
+* :func:`fused_add_layer_norm` / :class:`FusedAddLayerNorm`: ``(LN(x + residual), x + residual)``
+  in one pass forward and one backward.
+* :func:`swap_layernorms` / :func:`unswap_layernorms`: convert a model's ``nn.LayerNorm`` modules
+  in place, keeping the very same Parameter objects; returns a :class:`SwapReport`.
+* :func:`norm_backend`: context manager choosing ``"auto"`` | ``"triton"`` | ``"torch"``.
+
+Without CUDA, importing this package never imports triton (the Triton kernels load only if forced
+under ``TRITON_INTERPRET=1``); with CUDA and triton installed, the Triton ops register at import.
+"""
+
+from ._backend import BACKENDS, norm_backend
+from .functional import fused_add_layer_norm, layer_norm
+from .modules import FusedAddLayerNorm, FusedLayerNorm
+from .swap import SwapReport, swap_layernorms, unswap_layernorms
+
+
+def _preload_triton_ops() -> None:
+    # On a CUDA machine, register the Triton ops now rather than from inside a torch.compile
+    # trace (an import there would break the graph). Without CUDA, triton is never imported.
+    import torch
+
+    from . import _backend
+
+    if _backend.TRITON_INSTALLED and torch.cuda.is_available():
+        try:
+            from . import _triton_ops, functional
+
+            functional._triton_ops = _triton_ops  # so a compiled trace never reaches the import
+        except Exception as exc:  # noqa: BLE001 - the torch backend still works
+            import warnings
+
+            warnings.warn(f"ln_lightning.norm: Triton kernels unavailable ({exc!r}); using the torch backend")
+            _backend.TRITON_INSTALLED = False
+
+
+_preload_triton_ops()
+
+__all__ = [
+    "BACKENDS",
+    "FusedAddLayerNorm",
+    "FusedLayerNorm",
+    "SwapReport",
+    "fused_add_layer_norm",
+    "layer_norm",
+    "norm_backend",
+    "swap_layernorms",
+    "unswap_layernorms",
+]

@@ -1,0 +1,157 @@
+"""``FusedLayerNorm`` and ``FusedAddLayerNorm``: ``nn.LayerNorm`` subclasses on the fused backends."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _backend, functional
+from .functional import fused_add_layer_norm
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    r"""A drop-in ``nn.LayerNorm`` that runs on the fused backends.
+
+    Same constructor (``normalized_shape, eps, elementwise_affine, bias, device, dtype``), same
+    parameters (``weight``, ``bias``), same ``state_dict`` keys, same results: a checkpoint saved
+    from either class loads strictly into the other. On CUDA it runs the Triton kernels (float32
+    statistics, deterministic weight/bias gradients); elsewhere it runs aten's kernel.
+
+    The optional ``backend`` attribute (``None``, ``"auto"``, ``"triton"``, ``"torch"``) pins the
+    backend for this module; it is not part of the state_dict.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from ln_lightning.norm import FusedLayerNorm
+        >>> ref = nn.LayerNorm(64)
+        >>> ln = FusedLayerNorm(64)
+        >>> ln.load_state_dict(ref.state_dict())  # strict: the keys are identical
+        <All keys matched successfully>
+        >>> x = torch.randn(8, 64)
+        >>> torch.allclose(ln(x), ref(x))
+        True
+        >>> fused = FusedLayerNorm.from_layernorm(ref)  # shares ref's Parameter objects
+        >>> fused.weight is ref.weight
+        True
+    """
+
+    backend: Optional[str] = None
+
+    def forward(self, input: Tensor) -> Tensor:
+        # Fast path: where the torch backend runs, a plain LayerNorm is exactly F.layer_norm (see
+        # functional.PLAIN_LAYER_NORM_VIA_ATEN); skipping the generic wrapper keeps small calls
+        # as cheap as nn.LayerNorm's.
+        name = self.backend or _backend.requested_backend()
+        if (name == "torch" or name == "cpu" or (name == "auto" and not input.is_cuda)) and functional.PLAIN_LAYER_NORM_VIA_ATEN:
+            return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return fused_add_layer_norm(
+            input, None, self.weight, self.bias, self.eps, normalized_shape=self.normalized_shape, backend=self.backend
+        )[0]
+
+    @classmethod
+    def from_layernorm(cls, ln: nn.LayerNorm, *, backend: Optional[str] = None) -> "FusedLayerNorm":
+        """A new ``cls`` module that uses the *very same* Parameter objects as ``ln``.
+
+        Device, dtype, ``requires_grad`` and optimizer identity are therefore preserved, and the
+        module's hooks are carried over (the hook dicts are shared, so existing handles still
+        remove them). ``ln`` keeps working and stays tied to the new module. To change a module
+        inside a model, prefer :func:`~ln_lightning.norm.swap_layernorms`, which converts in place.
+        """
+        if not isinstance(ln, nn.LayerNorm):
+            raise TypeError(f"from_layernorm needs an nn.LayerNorm, got {type(ln).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.normalized_shape = tuple(ln.normalized_shape)
+        new.eps = ln.eps
+        new.elementwise_affine = ln.elementwise_affine
+        # Same Parameter objects (or None), registered under the same names.
+        new._parameters["weight"] = ln._parameters.get("weight")
+        new._parameters["bias"] = ln._parameters.get("bias")
+        new.training = ln.training
+        for attr in (
+            "_forward_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+            "_forward_pre_hooks",
+            "_forward_pre_hooks_with_kwargs",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+            "_state_dict_hooks",
+            "_state_dict_pre_hooks",
+            "_load_state_dict_pre_hooks",
+            "_load_state_dict_post_hooks",
+        ):
+            if hasattr(ln, attr):
+                setattr(new, attr, getattr(ln, attr))
+        if backend is not None:
+            new.backend = _backend.canonical_backend(backend)
+        return new
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        return text if self.backend is None else f"{text}, backend={self.backend!r}"
+
+
+class FusedAddLayerNorm(nn.LayerNorm):
+    r"""``forward(x, residual=None) -> (layer_norm(x + residual), x + residual)`` in one pass.
+
+    The module form of :func:`~ln_lightning.norm.fused_add_layer_norm` for pre-norm blocks:
+    the residual stream's add and the next LayerNorm share one read of the activations, forward
+    and backward. Parameters and ``state_dict`` are exactly ``nn.LayerNorm``'s.
+
+    Args (beyond ``nn.LayerNorm``'s):
+        residual_in_fp32: keep the returned residual stream in float32.
+        backend: ``None`` | ``"auto"`` | ``"triton"`` | ``"torch"``.
+
+    Example::
+
+        >>> import torch
+        >>> from ln_lightning.norm import FusedAddLayerNorm
+        >>> norm = FusedAddLayerNorm(32)
+        >>> stream = torch.randn(4, 10, 32)
+        >>> branch_out = torch.randn(4, 10, 32)
+        >>> normed, stream = norm(branch_out, stream)  # stream <- stream + branch_out
+        >>> normed.shape, stream.shape
+        (torch.Size([4, 10, 32]), torch.Size([4, 10, 32]))
+    """
+
+    backend: Optional[str] = None
+    residual_in_fp32: bool = False
+
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        residual_in_fp32: bool = False,
+        backend: Optional[str] = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self.residual_in_fp32 = bool(residual_in_fp32)
+        self.backend = _backend.canonical_backend(backend)
+
+    def forward(self, input: Tensor, residual: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        return fused_add_layer_norm(
+            input,
+            residual,
+            self.weight,
+            self.bias,
+            self.eps,
+            residual_in_fp32=self.residual_in_fp32,
+            normalized_shape=self.normalized_shape,
+            backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        if self.residual_in_fp32:
+            text += ", residual_in_fp32=True"
+        return text if self.backend is None else f"{text}, backend={self.backend!r}"

@@ -1,0 +1,168 @@
+"""Shared references for the fused LayerNorm tests (CPU backend and Triton interpreter).
+
+The accuracy criterion (flash-attn's method, issue 4): for the forward output and every gradient,
+max |ours - fp64| <= 2 * max |torch at the same dtype - fp64| + 1e-6, where "torch" is the
+eager pipeline ``h = x + residual; y = F.layer_norm(h, ...)`` with autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+from ln_lightning.norm import fused_add_layer_norm
+
+ABS_SLACK = 1e-6
+
+
+@dataclasses.dataclass
+class Case:
+    rows: int
+    hidden: int
+    dtype: torch.dtype
+    residual: bool
+    affine: str  # "full" | "no_bias" | "none"
+    offset: float
+    constant_rows: int
+    residual_in_fp32: bool
+    seed: int
+
+    def tensors(self):
+        g = torch.Generator().manual_seed(self.seed)
+        shape = (self.rows, self.hidden)
+        x = torch.randn(shape, generator=g, dtype=torch.float64) * 2 + self.offset
+        r = torch.randn(shape, generator=g, dtype=torch.float64) if self.residual else None
+        for i in range(min(self.constant_rows, self.rows)):
+            x[i] = self.offset + 0.375 * (i + 1)  # variance 0 rows (exact in every dtype)
+            if r is not None:
+                r[i] = 0.5
+        w = b = None
+        if self.affine in ("full", "no_bias"):
+            w = 1 + 0.5 * torch.randn(self.hidden, generator=g, dtype=torch.float64)
+        if self.affine == "full":
+            b = torch.randn(self.hidden, generator=g, dtype=torch.float64)
+        gy = torch.randn(shape, generator=g, dtype=torch.float64)
+        gh = torch.randn(shape, generator=g, dtype=torch.float64) if self.residual or self.residual_in_fp32 else None
+        cast = lambda t: None if t is None else t.to(self.dtype)
+        return cast(x), cast(r), cast(w), cast(b), gy, gh
+
+
+@st.composite
+def cases(draw, max_rows: int = 8, max_hidden: int = 300, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+    hidden = draw(st.one_of(st.sampled_from([1, 2, 3, 7, 31, 64, 127, 255, 256]), st.integers(1, max_hidden)))
+    return Case(
+        rows=draw(st.integers(1, max_rows)),
+        hidden=min(hidden, max_hidden),
+        dtype=draw(st.sampled_from(dtypes)),
+        residual=draw(st.booleans()),
+        affine=draw(st.sampled_from(["full", "no_bias", "none"])),
+        offset=draw(st.sampled_from([0.0, 0.0, 1e4])),
+        constant_rows=draw(st.integers(0, 2)),
+        residual_in_fp32=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _run(x, r, w, b, gy, gh, fn):
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, r, w, b)]
+    y, h = fn(*leaves)
+    outs, grads = [y], [gy.to(y.dtype)]
+    if gh is not None and h is not leaves[0]:
+        outs.append(h)
+        grads.append(gh.to(h.dtype))
+    wanted = [t for t in leaves if t is not None]
+    got = torch.autograd.grad(outs, wanted, grads, allow_unused=True)
+    it = iter(got)
+    grads_by_name = {name: (next(it) if t is not None else None) for name, t in zip("xrwb", leaves)}
+    return y, h, grads_by_name
+
+
+def errors(case: Case, backend: Optional[str], exact_constant_rows: bool = False) -> dict[str, tuple[float, float, float]]:
+    """{quantity: (our error, torch's error, max |reference|)} against a float64 reference.
+
+    ``exact_constant_rows``: also require a variance-0 row's output to be *exactly* the bias (our
+    Triton kernels guarantee it; aten's CPU kernel, which the torch backend runs, is only within
+    rounding of it, e.g. 1 ulp at offset 1e4 in bfloat16).
+    """
+    x, r, w, b, gy, gh = case.tensors()
+    eps = 1e-5
+    shape = (case.hidden,)
+
+    def ours(x, r, w, b):
+        return fused_add_layer_norm(x, r, w, b, eps, residual_in_fp32=case.residual_in_fp32, backend=backend)
+
+    def torch_pipeline(x, r, w, b):
+        if case.residual_in_fp32:
+            h = x.float() + (r.float() if r is not None else 0)
+            y = F.layer_norm(h, shape, None if w is None else w.float(), None if b is None else b.float(), eps)
+            return y.to(x.dtype), h
+        h = x + r if r is not None else x
+        return F.layer_norm(h, shape, w, b, eps), h
+
+    def reference(x, r, w, b):
+        h = x + r if r is not None else x
+        return F.layer_norm(h, shape, w, b, eps), h
+
+    def f64(t):
+        return None if t is None else t.double()
+
+    yo, ho, go = _run(x, r, w, b, gy, gh, ours)
+    yt, ht, gt = _run(x, r, w, b, gy, gh, torch_pipeline)
+    # The reference gets the same (rounded) upstream gradients the low-precision runs received:
+    # it is the exact answer to the question they were asked.
+    gy = gy.to(yo.dtype).double()
+    if gh is not None and ho is not None and ho.dtype != torch.float64:
+        gh = gh.to(ho.dtype).double()
+    yr, hr, gr = _run(f64(x), f64(r), f64(w), f64(b), gy, gh, reference)
+    assert yo.dtype == x.dtype and yo.shape == x.shape
+    err = lambda a, ref: (a.double() - ref).abs().max().item() if a.numel() else 0.0
+    scale = lambda ref: ref.abs().max().item() if ref.numel() else 0.0
+    out = {"y": (err(yo, yr), err(yt, yr), scale(yr)), "residual": (err(ho, hr), err(ht, hr), scale(hr))}
+    for name, leaf in zip("xrwb", (x, r, w, b)):
+        if gr[name] is not None:
+            assert go[name] is not None, f"no gradient for {name}"
+            assert go[name].dtype == leaf.dtype, f"d{name} has dtype {go[name].dtype}, input has {leaf.dtype}"
+            out["d" + name] = (err(go[name], gr[name]), err(gt[name], gr[name]), scale(gr[name]))
+    # Structural checks that an error bound would not catch.
+    assert torch.isfinite(yo).all(), "non-finite output"
+    if case.residual_in_fp32:
+        assert ho.dtype == torch.float32
+    for i in range(min(case.constant_rows, case.rows) if exact_constant_rows else 0):
+        expected = b if b is not None else torch.zeros(case.hidden, dtype=x.dtype)
+        assert torch.equal(yo[i], expected.to(yo.dtype)), f"constant row {i} is not exactly the bias"
+    return out
+
+
+def assert_within_torch_error(case: Case, backend: Optional[str], exact_constant_rows: bool = False) -> None:
+    """The acceptance bound. The 1e-6 slack is absolute for unit-scale tensors and grows with the
+    reference's magnitude beyond 1: a variance-0 row has rstd = 1/sqrt(eps) ~ 316, its input
+    gradient reaches ~1e3, and there float32 rounding alone (1 ulp ~ 1e-4) makes "2x torch's
+    error" a coin toss between two equally rounded results."""
+    for name, (ours, theirs, scale) in errors(case, backend, exact_constant_rows).items():
+        slack = ABS_SLACK * max(1.0, scale)
+        assert ours <= 2 * theirs + slack, f"{name}: our error {ours:.3e} > 2 x torch's {theirs:.3e} + {slack:.1e} ({case})"
+
+
+def assert_rows_independent(backend: Optional[str], dtype=torch.float32, hidden: int = 37, rows: int = 6) -> None:
+    """Row 0's output and input gradients must not change when the other rows do."""
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(4)]  # x, r, gy, gh
+    w = torch.randn(hidden, generator=g).to(dtype)
+    b = torch.randn(hidden, generator=g).to(dtype)
+    results = []
+    for variant in range(2):
+        x, r, gy, gh = [t.clone() for t in base]
+        if variant:
+            for t in (x, r, gy, gh):
+                t[1:] = 100 * torch.randn(rows - 1, hidden, generator=g).to(dtype) + 50
+        x.requires_grad_()
+        r.requires_grad_()
+        y, h = fused_add_layer_norm(x, r, w, b, 1e-5, backend=backend)
+        dx, dr = torch.autograd.grad([y, h], [x, r], [gy, gh])
+        results.append((y[0], h[0], dx[0], dr[0]))
+    for name, a, c in zip(("y", "new_residual", "dx", "dresidual"), *results):
+        assert torch.equal(a, c), f"row 0's {name} changed when other rows changed"

@@ -1,0 +1,477 @@
+"""Fused LayerNorm on the torch (CPU) backend: numerics, modules, state_dict, swap, compile.
+
+The Triton kernels are tested under the interpreter in tests/test_norm_triton.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from torch import nn
+
+from _helpers_norm import Case, assert_rows_independent, assert_within_torch_error, cases
+from ln_lightning.norm import (
+    FusedAddLayerNorm,
+    FusedLayerNorm,
+    fused_add_layer_norm,
+    layer_norm,
+    norm_backend,
+    swap_layernorms,
+    unswap_layernorms,
+)
+from ln_lightning.norm import _backend, functional
+
+
+# --------------------------------------------------------------------------- numerics
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(max_rows=8, max_hidden=300))
+def test_matches_float64_within_twice_torch_error(case):
+    # Both eager paths of the torch backend: the composition used for small tensors and the
+    # custom autograd.Function used above functional.EAGER_COMPOSITE_BELOW elements.
+    for threshold in (0, 1 << 60):
+        functional.EAGER_COMPOSITE_BELOW = threshold
+        try:
+            assert_within_torch_error(case, backend="torch")
+        finally:
+            functional.EAGER_COMPOSITE_BELOW = 1 << 20
+
+
+@pytest.fixture(params=["function", "composite"])
+def eager_path(request, monkeypatch):
+    monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0 if request.param == "function" else 1 << 60)
+    return request.param
+
+
+@pytest.mark.parametrize("via_aten", [True, False], ids=["plain-via-aten", "plain-via-custom-op"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(1, 1, torch.float32, False, "full", 0.0, 1, False, 1),  # single element
+        Case(1, 257, torch.bfloat16, True, "no_bias", 1e4, 0, False, 2),  # single row, offset
+        Case(5, 33, torch.float16, False, "none", 0.0, 2, False, 3),  # constant rows, no affine
+        Case(4, 96, torch.bfloat16, False, "full", 1e4, 2, True, 4),  # fp32 residual from None
+        Case(3, 255, torch.bfloat16, True, "full", 0.0, 1, True, 5),
+    ],
+)
+def test_edge_cases(case, via_aten, eager_path, monkeypatch):
+    monkeypatch.setattr(functional, "PLAIN_LAYER_NORM_VIA_ATEN", via_aten)
+    assert_within_torch_error(case, backend="torch")
+
+
+@pytest.mark.parametrize("via_aten", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_independent(dtype, via_aten, eager_path, monkeypatch):
+    monkeypatch.setattr(functional, "PLAIN_LAYER_NORM_VIA_ATEN", via_aten)
+    assert_rows_independent("torch", dtype)
+    # and the plain (residual=None) path
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 19, generator=g).to(dtype)
+    x2 = x.clone()
+    x2[1:] = 1e3 * torch.randn(4, 19, generator=g).to(dtype)
+    ln = FusedLayerNorm(19, dtype=dtype)
+    assert torch.equal(ln(x)[0], ln(x2)[0])
+
+
+def test_matches_eager_add_then_layernorm_exactly(eager_path):
+    # Same aten kernel underneath: bitwise equal outputs and gradients, incl. the downstream
+    # gradient of the new residual stream adding into the LayerNorm's input gradient.
+    torch.manual_seed(0)
+    ln = nn.LayerNorm(48)
+    nn.init.normal_(ln.weight)
+    nn.init.normal_(ln.bias)
+    x = torch.randn(2, 7, 48, requires_grad=True)
+    r = torch.randn(2, 7, 48, requires_grad=True)
+    gy, gh = torch.randn(2, 7, 48), torch.randn(2, 7, 48)
+    h_ref = x + r
+    y_ref = ln(h_ref)
+    ref = torch.autograd.grad([y_ref, h_ref], [x, r, ln.weight, ln.bias], [gy, gh])
+    y, h = fused_add_layer_norm(x, r, ln.weight, ln.bias, ln.eps, backend="torch")
+    got = torch.autograd.grad([y, h], [x, r, ln.weight, ln.bias], [gy, gh])
+    assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Only the residual is used downstream: the LayerNorm contributes nothing.
+    y, h = fused_add_layer_norm(x, r, ln.weight, ln.bias, ln.eps, backend="torch")
+    dx, dw = torch.autograd.grad([h], [x, ln.weight], [gh], allow_unused=True)
+    assert torch.equal(dx, gh) and (dw is None or not dw.any())
+
+
+def test_multi_dim_normalized_shape():
+    ref = nn.LayerNorm((4, 6))
+    nn.init.normal_(ref.weight)
+    ln = FusedLayerNorm((4, 6))
+    ln.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 4, 6)
+    r = torch.randn(3, 4, 6)
+    torch.testing.assert_close(ln(x), ref(x))
+    add = FusedAddLayerNorm((4, 6))
+    add.load_state_dict(ref.state_dict())
+    y, h = add(x, r)
+    torch.testing.assert_close(y, ref(x + r))
+
+
+# --------------------------------------------------------------------------- modules, state_dict
+
+def test_fused_layernorm_has_nn_layernorm_signature_and_state():
+    import inspect
+
+    assert inspect.signature(FusedLayerNorm.__init__) == inspect.signature(nn.LayerNorm.__init__)
+    for kwargs in ({}, {"bias": False}, {"elementwise_affine": False}, {"eps": 1e-3, "dtype": torch.float64}):
+        ref = nn.LayerNorm(16, **kwargs)
+        ln = FusedLayerNorm(16, **kwargs)
+        assert list(ln.state_dict()) == list(ref.state_dict())
+        assert [n for n, _ in ln.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        if ref.weight is not None:
+            nn.init.normal_(ref.weight)
+        if ref.bias is not None:
+            nn.init.normal_(ref.bias)
+        ln.load_state_dict(ref.state_dict(), strict=True)
+        x = torch.randn(4, 16, dtype=kwargs.get("dtype", torch.float32))
+        torch.testing.assert_close(ln(x), ref(x), rtol=0, atol=0)
+        back = nn.LayerNorm(16, **kwargs)
+        back.load_state_dict(ln.state_dict(), strict=True)
+        torch.testing.assert_close(back(x), ref(x), rtol=0, atol=0)
+    add = FusedAddLayerNorm(16)
+    assert list(add.state_dict()) == list(nn.LayerNorm(16).state_dict())
+    nn.LayerNorm(16).load_state_dict(add.state_dict(), strict=True)
+
+
+def test_from_layernorm_shares_parameters_and_hooks():
+    ref = nn.LayerNorm(8)
+    calls = []
+    handle = ref.register_forward_hook(lambda m, i, o: calls.append(1))
+    fused = FusedLayerNorm.from_layernorm(ref, backend="torch")
+    assert fused.weight is ref.weight and fused.bias is ref.bias
+    assert fused.backend == "torch" and "backend" not in fused.state_dict()
+    fused(torch.randn(2, 8))
+    assert calls == [1]
+    handle.remove()
+    fused(torch.randn(2, 8))
+    assert calls == [1]
+    with pytest.raises(TypeError, match="nn.LayerNorm"):
+        FusedLayerNorm.from_layernorm(nn.Linear(2, 2))
+
+
+def test_fused_add_module_and_none_residual():
+    norm = FusedAddLayerNorm(12, residual_in_fp32=True)
+    x = torch.randn(3, 12, dtype=torch.bfloat16)
+    r = torch.randn(3, 12, dtype=torch.bfloat16)
+    y, h = norm(x, r)
+    assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
+    torch.testing.assert_close(h, x.float() + r.float(), rtol=0, atol=0)
+    x32 = torch.randn(3, 12)
+    y, h = FusedAddLayerNorm(12)(x32)
+    assert h is x32  # residual=None: plain LayerNorm, the input is the new residual
+    assert "residual_in_fp32=True" in repr(norm)
+
+
+def test_cpu_autocast_matches_layernorm():
+    ref = nn.LayerNorm(16)
+    ln = FusedLayerNorm.from_layernorm(ref)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = ln(x), ref(x)
+        y, _ = fused_add_layer_norm(x.bfloat16(), x.bfloat16(), ref.weight, ref.bias, backend="torch")
+        y_ref = ref(x.bfloat16() + x.bfloat16())
+    assert a.dtype == b.dtype and torch.equal(a, b)
+    assert y.dtype == y_ref.dtype
+
+
+# --------------------------------------------------------------------------- errors and backends
+
+def test_bad_inputs_get_clear_errors():
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="residual shape"):
+        fused_add_layer_norm(torch.randn(2, 8), torch.randn(1, 8), w, None)
+    with pytest.raises(TypeError, match="floating-point"):
+        fused_add_layer_norm(torch.ones(2, 8, dtype=torch.long), None, None, None)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        fused_add_layer_norm(torch.randn(2, 7), None, w, None)
+    with pytest.raises(ValueError, match="unknown LayerNorm backend"):
+        fused_add_layer_norm(torch.randn(2, 8), None, w, None, backend="cuda")
+    with pytest.raises(ValueError, match="unknown LayerNorm backend"):
+        with norm_backend("fast"):
+            pass
+
+
+@pytest.mark.skipif(_backend.TRITON_INTERPRET, reason="the interpreter makes triton usable on CPU")
+def test_forced_triton_on_cpu_raises_instead_of_falling_back():
+    with pytest.raises(RuntimeError, match="backend 'triton' was requested but cannot run"):
+        with norm_backend("triton"):
+            FusedLayerNorm(8)(torch.randn(2, 8))
+    ln = FusedLayerNorm(8)
+    ln.backend = "torch"
+    with norm_backend("triton"):  # the module's own choice wins over the context
+        ln(torch.randn(2, 8))
+
+
+def test_backend_resolution():
+    x = torch.randn(2, 4)
+    assert _backend.resolve_backend(x) == "torch"
+    assert _backend.resolve_backend(x, "torch") == "torch"
+    assert _backend.canonical_backend("CPU") == "torch"
+    with norm_backend("torch"):
+        assert _backend.requested_backend() == "torch"
+    assert _backend.resolve_backend(x.double(), "auto") == "torch"
+
+
+def test_environment_variable_sets_the_default_backend():
+    code = (
+        "import torch; from ln_lightning.norm import _backend; "
+        "print(_backend.requested_backend(), _backend.resolve_backend(torch.randn(2, 2)))"
+    )
+    env = {**__import__("os").environ, "LN_LIGHTNING_NORM_BACKEND": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.stdout.split() == ["torch", "torch"], proc.stderr
+    env["LN_LIGHTNING_NORM_BACKEND"] = "fastest"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0 and "unknown LayerNorm backend 'fastest'" in proc.stderr
+
+
+def test_import_needs_neither_triton_nor_cuda():
+    code = textwrap.dedent(
+        """
+        import sys
+        class _Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ModuleNotFoundError("No module named 'triton' (blocked for this test)")
+        sys.meta_path.insert(0, _Block())
+        import torch
+        from torch import nn
+        import ln_lightning.norm as n
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+        print(n.swap_layernorms(model))
+        y = model(torch.randn(2, 8, requires_grad=True)).sum()
+        y.backward()
+        out, res = n.fused_add_layer_norm(torch.randn(2, 8), torch.randn(2, 8), None, None)
+        assert "triton" not in sys.modules, "triton was imported"
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+class _PreNormBlock(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln1 = FusedLayerNorm(d)
+        self.fc1 = nn.Linear(d, d)
+        self.add_norm = FusedAddLayerNorm(d)
+        self.fc2 = nn.Linear(d, d)
+
+    def forward(self, stream):
+        branch = self.fc1(self.ln1(stream))
+        normed, stream = self.add_norm(branch, stream)
+        return stream + self.fc2(normed)
+
+
+def test_torch_compile_fullgraph_no_graph_break():
+    torch.manual_seed(0)
+    block = _PreNormBlock()
+    x = torch.randn(4, 5, 32, requires_grad=True)
+    explanation = torch._dynamo.explain(block)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    gc = torch.autograd.grad(out.sum(), [x, block.add_norm.weight])
+    ref = block(x)
+    gr = torch.autograd.grad(ref.sum(), [x, block.add_norm.weight])
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(gc, gr):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_matches_eager():
+    torch.manual_seed(0)
+    block = _PreNormBlock()
+    x = torch.randn(4, 5, 32, requires_grad=True)
+    compiled = torch.compile(block, fullgraph=True)  # inductor: needs a C++ compiler on CPU
+    out = compiled(x)
+    got = torch.autograd.grad(out.sum(), [x, block.add_norm.weight, block.ln1.bias])
+    ref = block(x)
+    want = torch.autograd.grad(ref.sum(), [x, block.add_norm.weight, block.ln1.bias])
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_functional_layer_norm_matches_torch():
+    x = torch.randn(3, 4, 10, dtype=torch.float64)
+    w, b = torch.randn(4, 10, dtype=torch.float64), torch.randn(4, 10, dtype=torch.float64)
+    torch.testing.assert_close(layer_norm(x, (4, 10), w, b, 1e-3), F.layer_norm(x, (4, 10), w, b, 1e-3))
+    torch.testing.assert_close(layer_norm(x, 10), F.layer_norm(x, (10,)))
+
+
+def test_custom_ops_pass_opcheck():
+    from ln_lightning.norm import _torch_ops
+
+    x, r, w, b = torch.randn(3, 10), torch.randn(3, 10), torch.randn(10), torch.randn(10)
+    for args in ((x, r, w, b, 1e-5, False, False), (x.bfloat16(), None, w, None, 1e-5, True, False)):
+        args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(_torch_ops.add_layer_norm, args)
+
+
+# --------------------------------------------------------------------------- swap
+
+class _KeepsInit(nn.LayerNorm):
+    def __init__(self, d):
+        super().__init__(d, eps=1e-6)
+
+
+class _OwnForward(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x.float()).type_as(x)
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+        _KeepsInit(16),
+        _OwnForward(16),
+        nn.Linear(16, 16),
+        nn.LayerNorm(16, bias=False),
+    )
+    model[4].weight.requires_grad_(False)
+    return model
+
+
+def test_swap_keeps_parameters_optimizer_and_results():
+    model = _model()
+    reference = copy.deepcopy(model)
+    params_before = {n: p for n, p in model.named_parameters()}
+    keys_before = list(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    report = swap_layernorms(model, backend="torch")
+    assert report.swapped == ["0.norm1", "0.norm2", "1", "4"]
+    assert [s.path for s in report.skipped] == ["2"] and "overrides forward" in report.skipped[0].reason
+    assert type(model[0].norm1) is FusedLayerNorm and model[0].norm1.backend == "torch"
+    assert isinstance(model[1], FusedLayerNorm) and isinstance(model[1], _KeepsInit) and model[1].eps == 1e-6
+    assert type(model[2]) is _OwnForward
+    for n, p in model.named_parameters():
+        assert p is params_before[n], n
+    assert not model[4].weight.requires_grad
+    assert list(model.state_dict()) == keys_before
+    x = torch.randn(2, 5, 16)
+    norm_weight_before = model[0].norm1.weight.detach().clone()
+    for _ in range(2):
+        for m, o in ((model, opt), (reference, opt_ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    # The optimizer built before the swap trained the swapped norms, exactly as on nn.LayerNorm.
+    assert not torch.equal(model[0].norm1.weight, norm_weight_before)
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, msg=n)
+    reference.load_state_dict(model.state_dict(), strict=True)
+
+
+def test_swap_report_revert_and_unswap():
+    model = _model()
+    report = swap_layernorms(model)
+    text = str(report)
+    assert "4 swapped, 1 skipped" in text and "0.norm1" in text and "overrides forward" in text
+    d = report.to_dict()
+    assert d["swapped"] == report.swapped and d["skipped"][0]["path"] == "2"
+    report.revert()
+    assert type(model[0].norm1) is nn.LayerNorm and type(model[1]) is _KeepsInit
+    assert report.to_dict()["reverted"]
+    swap_layernorms(model)
+    undone = unswap_layernorms(model)
+    assert undone.swapped == ["0.norm1", "0.norm2", "1", "4"]
+    assert not any(isinstance(m, FusedLayerNorm) for m in model.modules())
+    # root module, shared module, already fused
+    ln = nn.LayerNorm(4)
+    assert swap_layernorms(ln).swapped == [""] and type(ln) is FusedLayerNorm
+    again = swap_layernorms(ln)
+    assert again.swapped == [] and "already fused" in again.skipped[0].reason
+
+
+def test_swap_keeps_hooks():
+    model = nn.Sequential(nn.LayerNorm(6))
+    seen = []
+    handle = model[0].register_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    report = swap_layernorms(model)
+    assert report.with_hooks == ["0"]
+    model(torch.randn(1, 6))
+    assert seen == ["FusedLayerNorm"]
+    handle.remove()
+    model(torch.randn(1, 6))
+    assert seen == ["FusedLayerNorm"]
+
+
+@pytest.mark.skipif(_backend.TRITON_INTERPRET, reason="the interpreter makes triton usable on CPU")
+def test_swap_skips_what_the_forced_backend_cannot_take():
+    model = nn.Sequential(nn.LayerNorm(6), nn.LayerNorm(6, dtype=torch.float64))
+    report = swap_layernorms(model, backend="triton")
+    assert report.swapped == []
+    reasons = {s.path: s.reason for s in report.skipped}
+    assert "float64" in reasons["1"] and ("CUDA" in reasons["0"] or "triton" in reasons["0"])
+
+
+def test_swap_skips_parametrized_modules_and_rejects_non_modules():
+    model = nn.Sequential(nn.LayerNorm(6))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", nn.Identity())
+    report = swap_layernorms(model)
+    assert report.swapped == [] and "parametrized" in report.skipped[0].reason
+    with pytest.raises(TypeError, match="nn.Module"):
+        swap_layernorms(torch.randn(3))
+
+
+def test_swapped_model_pickles():
+    import io
+
+    model = _model()
+    swap_layernorms(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(loaded(x), model(x))
+
+
+def test_swap_after_placement_convert_keeps_the_conversion():
+    placement = pytest.importorskip("ln_lightning.placement")
+    from ln_lightning.demo import PostNormTransformerLM
+
+    torch.manual_seed(0)
+    model = PostNormTransformerLM(vocab_size=50, d_model=32, n_layers=2, n_heads=2, block_size=16)
+    tokens = torch.randint(0, 50, (2, 16))
+    placement.convert(model, "pre")
+    deferred_type = type(model.blocks[0].ln1)
+    before = model(tokens)
+    report = swap_layernorms(model)
+    assert "blocks.0.ln1" in report.swapped and not report.skipped
+    norm = model.blocks[0].ln1
+    assert isinstance(norm, FusedLayerNorm) and getattr(norm, "ln_lightning_deferred", False)
+    after = model(tokens)
+    first = lambda out: out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(first(after), first(before), rtol=0, atol=0)
+    report.revert()
+    assert type(model.blocks[0].ln1) is deferred_type
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from ln_lightning.norm import _backend as backend_module
+    from ln_lightning.norm import modules, swap
+
+    for module in (functional, modules, swap, backend_module):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, (module.__name__, result)
