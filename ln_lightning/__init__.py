@@ -19,6 +19,7 @@ _EXPORTS = {
     "inspect_model": "ln_lightning.placement",
     "convert": "ln_lightning.placement",
     "register_block": "ln_lightning.placement",
+    "register_norm_class": "ln_lightning.placement",
     "Sublayer": "ln_lightning.placement",
     "PlacementReport": "ln_lightning.placement",
     "ConversionReport": "ln_lightning.placement",
@@ -31,6 +32,11 @@ _EXPORTS = {
     # Lightning plugin
     "LNPlacement": "ln_lightning.plugin",
     "load_converted": "ln_lightning.plugin",
+    "UnsupportedStrategyError": "ln_lightning.plugin",
+    # monitors
+    "StreamNormMonitor": "ln_lightning.callbacks",
+    "LayerNormInputMonitor": "ln_lightning.callbacks",
+    "ClipAttributionMonitor": "ln_lightning.callbacks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -495,8 +495,8 @@ def _validate(placement, final_norm, branch_scale, strict, layerscale_init) -> N
     if layerscale_init is not None:
         if branch_scale != "layerscale":
             raise PlacementError("layerscale_init is only used with branch_scale='layerscale'")
-        if isinstance(layerscale_init, bool) or not isinstance(layerscale_init, (int, float)) or not math.isfinite(layerscale_init):
-            raise PlacementError(f"layerscale_init must be a finite float, got {layerscale_init!r}")
+        if isinstance(layerscale_init, bool) or not isinstance(layerscale_init, (int, float)) or not math.isfinite(layerscale_init) or layerscale_init <= 0:
+            raise PlacementError(f"layerscale_init must be a positive finite float, got layerscale_init={layerscale_init!r}")
 
 
 def validate_options(placement="pre", *, final_norm=True, branch_scale=None, strict=False, layerscale_init=None) -> None:

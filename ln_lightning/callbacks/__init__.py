@@ -1,0 +1,17 @@
+"""Training monitors for residual-stream models, logged to the trainer's loggers (TensorBoard first).
+
+- `StreamNormMonitor`: residual-stream rms and each block's relative update, per block.
+- `LayerNormInputMonitor`: each LayerNorm's input variance (mean, min) and its amplification 1/sqrt(var+eps).
+- `ClipAttributionMonitor`: the gradient norm clipping acts on, its share per parameter group, how often
+  clipping fires.
+
+All three reduce across ranks exactly (sums and counts, then divide; min/max), make at most one host
+synchronisation per logging step each and none on other steps, and add a shared TensorBoard
+custom-scalars layout (`ln_lightning.callbacks.dashboard`).
+"""
+
+from ln_lightning.callbacks.clip import ClipAttributionMonitor
+from ln_lightning.callbacks.layernorm import LayerNormInputMonitor
+from ln_lightning.callbacks.stream import StreamNormMonitor
+
+__all__ = ["StreamNormMonitor", "LayerNormInputMonitor", "ClipAttributionMonitor"]

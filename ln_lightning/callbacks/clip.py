@@ -1,0 +1,470 @@
+"""ClipAttributionMonitor: the gradient norm clipping sees, and which parameters it comes from."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Mapping
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from ln_lightning.callbacks._common import MonitorBase, discover_blocks, metric_safe, normalize_name
+from ln_lightning.callbacks._reduce import PackedStats, distributed_world
+
+try:  # public since torch 2.5
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+except ImportError:  # pragma: no cover - torch 2.4
+    from torch.distributed._tensor import DTensor, Replicate
+    from torch.distributed._tensor.placement_types import _Partial as Partial
+
+GroupSpec = Mapping[str, str] | Callable[[str], "str | None"] | None
+OTHER = "other"
+
+
+def default_group_fn(pl_module: nn.Module, block_paths: list[str]) -> Callable[[str], str]:
+    """One group per residual block; every other parameter goes to the top-level module holding it.
+
+    "Top level" is relative to the blocks' containers: with blocks `model.blocks.0 ...`, the
+    embedding `model.tok_emb.weight` is in group `model.tok_emb` and the head in `model.head`.
+    Without blocks, parameters are grouped by the shallowest module level that splits them.
+    """
+    blocks = sorted(block_paths, key=len, reverse=True)  # longest first: nested paths resolve innermost
+    ancestors = {""}
+    for b in block_paths:
+        parts = b.split(".")
+        ancestors.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    depth = 1
+    if not block_paths:
+        names = [normalize_name(n, pl_module) for n, _ in pl_module.named_parameters()]
+        # Descend while a single module holds every parameter (CharLM -> model -> ...).
+        while depth < 4 and len({".".join(n.split(".")[:depth]) for n in names}) == 1 and all(n.count(".") >= depth for n in names):
+            depth += 1
+
+    def group(name: str) -> str:
+        for b in blocks:
+            if name.startswith(b + "."):
+                return b
+        if not block_paths:
+            return ".".join(name.split(".")[:depth])
+        best = max((a for a in ancestors if a == "" or name.startswith(a + ".")), key=len)
+        rest = name[len(best) + 1 :] if best else name
+        head = rest.split(".")[0]
+        return f"{best}.{head}" if best else head
+
+    return group
+
+
+def _regex_group_fn(mapping: Mapping[str, str]) -> Callable[[str], str | None]:
+    compiled = []
+    for group, pattern in mapping.items():
+        try:
+            compiled.append((group, re.compile(pattern)))
+        except re.error as err:
+            raise ValueError(f"ClipAttributionMonitor: group {group!r} has an invalid regex {pattern!r}: {err}") from None
+
+    def group(name: str) -> str | None:
+        for g, rx in compiled:
+            if rx.search(name):
+                return g
+        return None
+
+    return group
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device` without a host sync (a pageable blocking copy would wait for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class _Plan:
+    """Per optimizer: parameter order, group of each parameter, and how its squared norm crosses ranks."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], groups: list[str], group_of: list[int]):
+        self.params = params
+        self.names = names
+        self.groups = groups
+        self.group_of = group_of
+        self.meta: list[tuple[int, float] | None] = [None] * len(params)  # (section, weight) once a grad is seen
+        self.cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.partial_warned = False
+
+
+class ClipAttributionMonitor(MonitorBase):
+    r"""Attribute the gradient norm that clipping acts on to parameter groups.
+
+    At each optimizer step, in ``on_before_optimizer_step`` (gradients accumulated, unscaled by AMP's
+    GradScaler, not yet clipped), over the optimizer's parameters:
+
+    - ``clip/total_norm``: the 2-norm of all gradients, equal to what ``torch.nn.utils.clip_grad_norm_``
+      returns (sharded FSDP/FSDP2 gradients are reduced across shards first),
+    - ``clip/share/GROUP``: the group's squared gradient norm / the total squared norm,
+    - with ``Trainer(gradient_clip_val=c)`` (``gradient_clip_algorithm="norm"``): ``clip/coef`` =
+      ``min(1, c / total_norm)`` and ``clip/clipped`` (1 when clipping scales the step),
+    - with ``gradient_clip_algorithm="value"``: ``clip/value_fraction/GROUP``, the fraction of the
+      group's gradient elements with ``|g| > c``, and ``clip/clipped`` (1 when any element is clipped),
+    - over the logging window (all steps since the last log, when clipping is configured):
+      ``clip/fired_fraction`` (steps on which clipping changed the gradient) and
+      ``clip/dominant/GROUP`` (share of those steps on which GROUP had the largest norm, or for
+      value clipping the largest ``|g|``); ``clip/nonfinite_steps`` counts steps whose norm was not
+      finite (the step AMP would skip); they are not counted as fired.
+
+    Groups default to one per residual block (``inspect_model``) plus the other top-level modules
+    (embeddings, head, final norm...). Pass ``groups`` as a mapping ``{name: regex}`` (first match on
+    the parameter name wins; unmatched parameters go to ``"other"``) or a function
+    ``param_name -> group name or None``. Parameter names are those of the LightningModule with
+    wrapper prefixes (``_forward_module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``, a leading
+    ``module.``) removed.
+
+    Cost: on logging steps one ``torch._foreach_norm`` over the gradients, two small all-reduces and
+    one host copy; on other steps, only when clipping is configured, the ``_foreach_norm`` and a
+    scatter into a device buffer (no collective, no host sync).
+
+    Args:
+        groups: ``None``, a ``{group: regex}`` mapping, or a ``param_name -> group`` function.
+        every_n_steps: logging interval in optimizer steps; ``None`` uses ``trainer.log_every_n_steps``.
+        track_window: compute the per-window statistics (the only per-step work); needs clipping configured.
+        log_depth_profile: also log a bar chart image of the shares by group.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from ln_lightning.callbacks import ClipAttributionMonitor
+        >>> monitor = ClipAttributionMonitor(groups={"attn": r"\.attn\.", "mlp": r"\.mlp\.", "embed": r"_emb\."})
+        >>> trainer = Trainer(callbacks=[monitor], gradient_clip_val=1.0)
+
+    Under manual optimization the monitor sees the gradients as they are when ``optimizer.step()``
+    runs, i.e. after any clipping your ``training_step`` did. A ``configure_gradient_clipping``
+    override is not visible to it: ``coef``/``clipped`` follow ``trainer.gradient_clip_val``.
+    """
+
+    family = "clip"
+
+    def __init__(
+        self,
+        groups: GroupSpec = None,
+        every_n_steps: int | None = None,
+        track_window: bool = True,
+        log_depth_profile: bool = True,
+    ):
+        super().__init__(every_n_steps, log_depth_profile)
+        if groups is None or callable(groups):
+            self._group_fn_user = groups
+        elif isinstance(groups, Mapping):
+            if not groups:
+                raise ValueError("ClipAttributionMonitor: groups mapping is empty; pass None for the default groups")
+            self._group_fn_user = _regex_group_fn(groups)
+        else:
+            raise TypeError(f"groups must be None, a mapping name->regex or a function name->group, got {type(groups).__name__}")
+        self.groups_spec = groups
+        self.track_window = track_window
+        self._group_fn: Callable[[str], str | None] | None = None
+        self._plans: dict[int, _Plan] = {}
+        self._stats: PackedStats | None = None
+        self._stats_key: tuple | None = None
+        self._row = 0
+        self._window_steps = 0
+        self._plain_grads_sharded = False
+        self._plain_weight = 1.0
+        self._manual_warned = False
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._resolve_every(trainer)
+        self._plans.clear()
+        self._stats = None
+        self._row = self._window_steps = 0
+        if self._group_fn_user is None:
+            blocks, _ = discover_blocks(pl_module)
+            self._group_fn = default_group_fn(pl_module, blocks)
+        else:
+            self._group_fn = self._group_fn_user
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = type(trainer.strategy).__name__
+        if "DeepSpeed" in strategy:
+            rank_zero_warn(
+                "ClipAttributionMonitor does not support DeepSpeed: its gradients live in DeepSpeed's partitioned "
+                "buffers, not in param.grad. The monitor is disabled for this run."
+            )
+            self._every = 0
+            self.track_window = False
+        # FSDP1 (Lightning's FSDPStrategy, use_orig_params=True): param.grad holds this rank's shard as a plain
+        # tensor, so squared norms are summed over the shard group, once per replica group.
+        self._plain_grads_sharded = strategy == "FSDPStrategy" or any(
+            type(m).__name__ == "FullyShardedDataParallel" for m in (trainer.strategy.model or pl_module).modules()
+        )
+        if self._plain_grads_sharded:
+            world = distributed_world()
+            pg = getattr(trainer.strategy.model, "process_group", None)
+            shard = torch.distributed.get_world_size(pg) if pg is not None and world > 1 else world
+            self._plain_weight = shard / world
+        super().on_fit_start(trainer, pl_module)
+
+    # The clip monitor works in on_before_optimizer_step; the activation-hook schedule is not used.
+    def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._plans.clear()
+            self._stats = None
+
+    # -- groups -----------------------------------------------------------------------------
+    def _plan_for(self, pl_module: LightningModule, optimizer) -> _Plan:
+        plan = self._plans.get(id(optimizer))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if plan is not None and len(plan.params) == len(params) and all(a is b for a, b in zip(plan.params, params)):
+            return plan
+        names_by_id = {id(p): normalize_name(n, pl_module) for n, p in pl_module.named_parameters(remove_duplicate=False)}
+        names, group_names, group_of = [], [], []
+        index: dict[str, int] = {}
+        for i, p in enumerate(params):
+            name = names_by_id.get(id(p), f"<unnamed param {i}>")
+            g = self._group_fn(name) if id(p) in names_by_id else None
+            g = OTHER if g is None else str(g)
+            if g not in index:
+                index[g] = len(group_names)
+                group_names.append(g)
+            names.append(name)
+            group_of.append(index[g])
+        plan = _Plan(params, names, group_names, group_of)
+        self._plans[id(optimizer)] = plan
+        return plan
+
+    def _grad_meta(self, plan: _Plan, i: int, grad: torch.Tensor) -> tuple[int, float]:
+        """(section, weight): section 0 = summed across ranks (sharded), 1 = max across ranks (replicated)."""
+        meta = plan.meta[i]
+        if meta is None:
+            world = distributed_world()
+            if isinstance(grad, DTensor):
+                mesh = grad.device_mesh
+                copies = world // max(1, mesh.size())  # identical copies of the mesh (replicas outside it)
+                for dim, placement in enumerate(grad.placements):
+                    if isinstance(placement, Replicate):
+                        copies *= mesh.size(dim)
+                meta = (0, 1.0 / copies)
+            elif self._plain_grads_sharded:
+                meta = (0, self._plain_weight)
+            else:
+                meta = (1, 1.0)  # DDP / single device: every rank holds the whole, identical gradient
+            plan.meta[i] = meta
+        return meta
+
+    def _local_grads(self, plan: _Plan) -> tuple[list[torch.Tensor], tuple[bool, ...], list[int]]:
+        grads, mask, present = [], [], []
+        for i, p in enumerate(plan.params):
+            g = p.grad
+            if g is None or g.is_sparse:
+                mask.append(False)
+                continue
+            if isinstance(g, DTensor):
+                if any(isinstance(pl, Partial) for pl in g.placements):
+                    # Partial sums can't be squared locally; make them whole first (rare: not FSDP2/TP's output).
+                    if not plan.partial_warned:
+                        plan.partial_warned = True
+                        rank_zero_warn("ClipAttributionMonitor: a gradient has Partial placement; redistributing it costs a collective.")
+                    g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+                self._grad_meta(plan, i, g)
+                g = g.to_local()
+            else:
+                self._grad_meta(plan, i, g)
+            mask.append(True)
+            present.append(i)
+            grads.append(g)
+        return grads, tuple(mask), present
+
+    def _index_tensors(self, plan: _Plan, mask: tuple, present: list[int], device: torch.device, grads: list[torch.Tensor]):
+        key = mask
+        cached = plan.cache.get(key)
+        if cached is None:
+            n_groups = len(plan.groups)
+            slots = [plan.group_of[i] + n_groups * plan.meta[i][0] for i in present]
+            weights = [plan.meta[i][1] for i in present]
+            numels = [g.numel() * plan.meta[i][1] for g, i in zip(grads, present)]
+            groups = [plan.group_of[i] for i in present]
+            cached = (
+                _to_device(slots, torch.long, device),
+                _to_device(weights, torch.float64, device),
+                _to_device(numels, torch.float64, device),
+                _to_device(groups, torch.long, device),
+            )
+            plan.cache[key] = cached
+        return cached
+
+    # -- the step ----------------------------------------------------------------------------
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
+        step = trainer.global_step
+        log = self._is_log_step(step)
+        clip_val = trainer.gradient_clip_val
+        clipping = clip_val is not None and float(clip_val) > 0
+        window = self.track_window and clipping
+        if not (log or window):
+            return
+        if not pl_module.automatic_optimization and not self._manual_warned:
+            self._manual_warned = True
+            rank_zero_warn(
+                "ClipAttributionMonitor under manual optimization sees gradients when optimizer.step() runs, "
+                "after any clipping done in training_step."
+            )
+        value_mode = clipping and str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)) == "value"
+        plan = self._plan_for(pl_module, optimizer)
+        n_groups = len(plan.groups)
+        device = pl_module.device
+        stats = self._ensure_stats(n_groups, device, value_mode, window)
+        cap = self._cap
+        row = self._row % cap
+        self._row += 1
+        self._window_steps += 1
+
+        grads, mask, present = self._local_grads(plan)
+        win_sum = stats.sums[: cap * n_groups].view(cap, n_groups)
+        win_max = stats.maxes[: cap * n_groups].view(cap, n_groups)
+        if grads:
+            slots, weights, numels, groups = self._index_tensors(plan, mask, present, device, grads)
+            with torch.no_grad():
+                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+                norms = torch.stack([n.to(device) for n in norms]).double()
+                scratch = torch.zeros(2 * n_groups, dtype=torch.float64, device=device)
+                scratch.index_add_(0, slots, norms.square() * weights)
+                win_sum[row].copy_(scratch[:n_groups])
+                win_max[row].copy_(scratch[n_groups:])
+                if value_mode:
+                    amax_rows = stats.maxes[cap * n_groups : 2 * cap * n_groups].view(cap, n_groups)
+                    amax = torch.stack([n.to(device) for n in torch._foreach_norm(grads, float("inf"), dtype=torch.float32)]).double()
+                    amax_rows[row].fill_(float("-inf"))
+                    amax_rows[row].scatter_reduce_(0, groups, amax, reduce="amax")
+                    if log:
+                        clipped = torch.stack([(g.abs() > clip_val).sum().to(device) for g in grads]).double() * weights
+                        counts = torch.zeros(4 * n_groups, dtype=torch.float64, device=device)
+                        counts.index_add_(0, slots, clipped)
+                        counts.index_add_(0, slots + 2 * n_groups, numels)
+                        c = counts.view(2, 2, n_groups)  # [clipped|numel][sum|max section]
+                        base = cap * n_groups
+                        stats.sums[base : base + 2 * n_groups].copy_(c[:, 0].reshape(-1))
+                        mbase = 2 * cap * n_groups
+                        stats.maxes[mbase : mbase + 2 * n_groups].copy_(c[:, 1].reshape(-1))
+        else:
+            win_sum[row].zero_()
+            win_max[row].zero_()
+        if log:
+            self._flush_clip(trainer, plan, step, clip_val if clipping else None, value_mode, window)
+
+    def _ensure_stats(self, n_groups: int, device: torch.device, value_mode: bool, window: bool) -> PackedStats:
+        # One row per step of the logging window; per-step collectives are avoided by reducing all rows at the log.
+        cap = max(1, self._every) if window else 1
+        key = (n_groups, str(device), value_mode, cap)
+        if self._stats is None or self._stats_key != key:
+            self._cap = cap
+            # SUM: window rows (cap x G) + value-mode counts (clipped, numel) x G
+            # MAX: window rows (cap x G) + value-mode amax rows (cap x G) + counts (clipped, numel) x G
+            n_sum = cap * n_groups + (2 * n_groups if value_mode else 0)
+            n_max = cap * n_groups + ((cap * n_groups + 2 * n_groups) if value_mode else 0)
+            self._stats = PackedStats(n_sum, n_max, device)
+            self._stats_key = key
+            self._row = self._window_steps = 0
+            # MAX rows of a replicated group start at 0, not -inf: a group may be absent on every rank.
+            self._stats.maxes.zero_()
+        return self._stats
+
+    def _flush_clip(self, trainer: Trainer, plan: _Plan, step: int, clip_val: float | None, value_mode: bool, window: bool) -> None:
+        stats = self._stats
+        n_groups = len(plan.groups)
+        cap = self._cap
+        sums, maxes = stats.reduce_to_host(across_ranks=trainer.world_size > 1)
+        n_rows = min(self._window_steps, cap)
+        last = (self._row - 1) % cap
+        rows = [(last - k) % cap for k in range(n_rows)]  # newest first
+
+        def group_sq(r: int) -> list[float]:
+            return [sums[r * n_groups + g] + maxes[r * n_groups + g] for g in range(n_groups)]
+
+        current = group_sq(last)
+        total_sq = sum(current)
+        total = math.sqrt(total_sq) if math.isfinite(total_sq) else float("nan")
+        metrics: dict[str, float] = {"clip/total_norm": total}
+        shares: list[float] = []
+        if math.isfinite(total_sq) and total_sq > 0:
+            shares = [s / total_sq for s in current]
+            for name, share in zip(plan.groups, shares):
+                metrics[f"clip/share/{metric_safe(name)}"] = share
+        if clip_val is not None and not value_mode:
+            coef = min(1.0, clip_val / total) if total > 0 else 1.0
+            metrics["clip/coef"] = coef if math.isfinite(total) else float("nan")
+            metrics["clip/clipped"] = float(math.isfinite(total) and total > clip_val)
+        if value_mode:
+            amax_base = cap * n_groups
+            base_s = cap * n_groups
+            base_m = 2 * cap * n_groups
+            any_clipped = False
+            for g, name in enumerate(plan.groups):
+                clipped = sums[base_s + g] + maxes[base_m + g]
+                numel = sums[base_s + n_groups + g] + maxes[base_m + n_groups + g]
+                metrics[f"clip/value_fraction/{metric_safe(name)}"] = clipped / numel if numel > 0 else 0.0
+                any_clipped |= clipped > 0
+            metrics["clip/clipped"] = float(any_clipped)
+        if window and clip_val is not None:
+            fired = 0
+            nonfinite = 0
+            dominant = [0] * n_groups
+            for r in rows:
+                if value_mode:
+                    amax = [maxes[amax_base + r * n_groups + g] for g in range(n_groups)]
+                    if not all(math.isfinite(a) or a == float("-inf") for a in amax):
+                        nonfinite += 1
+                        continue
+                    if max(amax) > clip_val:
+                        fired += 1
+                        dominant[max(range(n_groups), key=amax.__getitem__)] += 1
+                else:
+                    sq = group_sq(r)
+                    t = sum(sq)
+                    if not math.isfinite(t):
+                        nonfinite += 1
+                        continue
+                    if math.sqrt(t) > clip_val:
+                        fired += 1
+                        dominant[max(range(n_groups), key=sq.__getitem__)] += 1
+            metrics["clip/fired_fraction"] = fired / n_rows if n_rows else 0.0
+            metrics["clip/nonfinite_steps"] = float(nonfinite)
+            if fired:
+                for name, d in zip(plan.groups, dominant):
+                    metrics[f"clip/dominant/{metric_safe(name)}"] = d / fired
+        else:
+            metrics["clip/nonfinite_steps"] = float(not math.isfinite(total_sq))
+        self._row = self._window_steps = 0
+        self._log(trainer, metrics, step)
+        if shares:
+            self._depth_profile(
+                trainer,
+                "clip/share_profile",
+                step,
+                title=f"share of squared gradient norm by group (step {step})",
+                panels=[("share of |g|^2", {"share": shares}, False)],
+                xlabels=list(plan.groups),
+                xlabel="group",
+                bars=True,
+            )
+
+    def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
+        charts: dict[str, list] = {
+            "clip total norm": ["Multiline", [r"^clip/total_norm$"]],
+            "clip share by group": ["Multiline", [r"^clip/share/"]],
+        }
+        clip_val = trainer.gradient_clip_val
+        if clip_val is not None and float(clip_val) > 0:
+            charts["clip coef, clipped, fired fraction"] = ["Multiline", [r"^clip/(coef|clipped|fired_fraction)$"]]
+            charts["clip dominant group (fired steps)"] = ["Multiline", [r"^clip/dominant/"]]
+            if str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)) == "value":
+                charts["value-clipped fraction by group"] = ["Multiline", [r"^clip/value_fraction/"]]
+        return {"ln-lightning: gradient clipping": charts}

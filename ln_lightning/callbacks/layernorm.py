@@ -1,0 +1,243 @@
+"""LayerNormInputMonitor: how small each LayerNorm's input variance gets, and how much the norm amplifies."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from ln_lightning.callbacks._common import MonitorBase, first_tensor, metric_safe, normalize_name
+from ln_lightning.callbacks._reduce import PackedStats
+
+# SUM columns per norm; the MAX section holds one value per norm: -min(var).
+_SUM_VAR, _NONFINITE, _ROWS = range(3)
+_COLS = 3
+
+
+def _fused_add_classes() -> tuple[type, ...]:
+    """Norm classes whose forward is `(x, residual)` and normalise `x + residual` (ln_lightning's own)."""
+    try:
+        from ln_lightning.norm import FusedAddLayerNorm  # noqa: PLC0415 (optional: the fused norm may be absent)
+    except ImportError:
+        return ()
+    return (FusedAddLayerNorm,)
+
+
+class LayerNormInputMonitor(MonitorBase):
+    r"""Log the variance a LayerNorm divides by, and the amplification ``1/sqrt(var + eps)`` it applies.
+
+    For every ``nn.LayerNorm`` (which includes ``ln_lightning``'s ``FusedLayerNorm``) and every
+    module of the classes you add, with ``var`` the biased variance of each row of the input over
+    the normalised dimensions (the last ``len(normalized_shape)`` dimensions):
+
+    - ``ln/var_mean/NORM``: mean of ``var`` over all rows,
+    - ``ln/var_min/NORM``: minimum of ``var`` over all rows,
+    - ``ln/amp_max/NORM``: maximum over rows of ``1/sqrt(var + eps)`` with the module's own ``eps``
+      (the largest factor by which the norm scales its input, and its Jacobian; bounded by ``1/sqrt(eps)``),
+    - ``ln/nonfinite_count``: rows whose variance is not finite.
+
+    A rank-zero warning, rate-limited, names the norms whose ``amp_max`` passes
+    ``warn_amp_fraction * 1/sqrt(eps)``. ``NORM`` is the module path relative to the LightningModule.
+    Rows of all micro-batches of the logged step on all ranks are pooled exactly (sums and row counts
+    all-reduced, minimum across ranks).
+
+    ``ln_lightning.norm.FusedAddLayerNorm`` modules, called as ``norm(x, residual)``, are monitored on
+    ``x + residual``: the tensor they actually normalise.
+
+    Args:
+        norm_classes: extra module classes to monitor; they must have ``normalized_shape`` and ``eps``
+            attributes with ``nn.LayerNorm``'s meaning.
+        every_n_steps: logging interval in optimizer steps; ``None`` uses ``trainer.log_every_n_steps``.
+        warn_amp_fraction: warn when ``amp_max > warn_amp_fraction / sqrt(eps)``; ``None`` disables warnings.
+        warn_cooldown: logging steps before the same norm is warned about again.
+        log_depth_profile: also log an image of ``var_min``, ``var_mean`` and ``amp_max`` against norm index.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from ln_lightning.callbacks import LayerNormInputMonitor
+        >>> trainer = Trainer(callbacks=[LayerNormInputMonitor(warn_amp_fraction=0.25)])
+    """
+
+    family = "ln"
+
+    def __init__(
+        self,
+        norm_classes: Sequence[type] = (),
+        every_n_steps: int | None = None,
+        warn_amp_fraction: float | None = 0.5,
+        warn_cooldown: int = 100,
+        log_depth_profile: bool = True,
+    ):
+        super().__init__(every_n_steps, log_depth_profile)
+        for cls in norm_classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise TypeError(f"norm_classes must be nn.Module subclasses, got {cls!r}")
+            if hasattr(nn, "RMSNorm") and issubclass(cls, nn.RMSNorm):
+                raise TypeError(
+                    f"{cls.__name__} is an RMSNorm: it divides by the root mean square, not the standard deviation, "
+                    "so variance statistics would misdescribe it. norm_classes takes LayerNorm-like classes only."
+                )
+        if warn_amp_fraction is not None and not (0 < warn_amp_fraction <= 1):
+            raise ValueError(f"warn_amp_fraction must be in (0, 1] or None, got {warn_amp_fraction!r}")
+        self.norm_classes = (nn.LayerNorm, *norm_classes)
+        self.warn_amp_fraction = warn_amp_fraction
+        self.warn_cooldown = warn_cooldown
+        self.norm_paths: list[str] = []
+        self._eps: list[float] = []
+        self._handles: list[Any] = []
+        self._stats: PackedStats | None = None
+        self._rows: torch.Tensor | None = None
+        self._last_warned: dict[str, int] = {}
+        self._n_logs = 0
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit" or self._handles:
+            return
+        self._resolve_every(trainer)
+        self._register(pl_module)
+
+    def _register(self, pl_module: LightningModule) -> None:
+        fused_add = _fused_add_classes()
+        seen: set[int] = set()
+        targets = []
+        for name, module in pl_module.named_modules():
+            if id(module) in seen or not isinstance(module, self.norm_classes + fused_add):
+                continue
+            seen.add(id(module))
+            shape = getattr(module, "normalized_shape", None)
+            eps = getattr(module, "eps", None)
+            if shape is None or eps is None:
+                raise TypeError(
+                    f"LayerNormInputMonitor: {type(module).__name__} at {name!r} has no `normalized_shape` / `eps`; "
+                    "norm_classes must be LayerNorm-like (normalise the last dims by their variance)."
+                )
+            ndim = 1 if isinstance(shape, int) else len(tuple(shape))
+            targets.append((normalize_name(name, pl_module), module, ndim, float(eps), isinstance(module, fused_add)))
+        if not targets:
+            return
+        self.norm_paths = [t[0] for t in targets]
+        self._eps = [t[3] for t in targets]
+        for index, (path, module, ndim, _, is_add) in enumerate(targets):
+            hook = self._make_hook(index, ndim, is_add)
+            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        rank_zero_info(f"LayerNormInputMonitor: monitoring {len(targets)} norms")
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._handles:
+            self._register(pl_module)
+            if not self._handles:
+                rank_zero_warn("LayerNormInputMonitor found no LayerNorm modules and will log nothing.")
+        if self._handles:
+            n = len(self.norm_paths)
+            self._stats = PackedStats(n * _COLS, n, pl_module.device)
+            self._rows = self._stats.sums.view(n, _COLS)
+        super().on_fit_start(trainer, pl_module)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._stats = self._rows = None
+            self._active = False
+
+    def _make_hook(self, index: int, ndim: int, is_add: bool):
+        dims = tuple(range(-ndim, 0))
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._active:  # the whole cost on steps that do not log
+                return
+            rows = self._rows
+            x = args[0] if args else kwargs.get("input", first_tensor(kwargs))
+            if not isinstance(x, torch.Tensor) or rows is None or x.numel() == 0:
+                return
+            with torch.no_grad():
+                x = x.detach().float()
+                if is_add:  # FusedAddLayerNorm(input, residual) normalises input + residual
+                    residual = args[1] if len(args) > 1 else kwargs.get("residual")
+                    if isinstance(residual, torch.Tensor):
+                        x = x + residual.detach().float()
+                var = torch.var(x, dim=dims, correction=0)
+                nonfinite = var.numel() - torch.isfinite(var).sum()
+                row = rows[index]
+                row[:2] += torch.stack([var.sum(dtype=torch.float64), nonfinite.to(torch.float64)])
+                row[_ROWS] += var.numel()
+                neg_min = self._stats.maxes[index : index + 1]
+                torch.maximum(neg_min, (-var.amin()).to(neg_min), out=neg_min)
+
+        return hook
+
+    def _begin_window(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._stats is not None:
+            self._stats.reset()
+
+    def _flush(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        if self._stats is None:
+            return
+        sums, maxes = self._stats.reduce_to_host(across_ranks=trainer.world_size > 1)
+        metrics: dict[str, float] = {}
+        var_min_list, var_mean_list, amp_list = [], [], []
+        nonfinite = 0.0
+        over: list[str] = []
+        for i, path in enumerate(self.norm_paths):
+            sum_var, n_nonfinite, n_rows = sums[i * _COLS : (i + 1) * _COLS]
+            if n_rows == 0:  # norm not called in this step
+                var_min_list.append(float("nan"))
+                var_mean_list.append(float("nan"))
+                amp_list.append(float("nan"))
+                continue
+            eps = self._eps[i]
+            var_mean = sum_var / n_rows
+            var_min = -maxes[i]
+            # amp is decreasing in var, so the maximum over rows is attained at the minimum variance.
+            amp_max = 1.0 / math.sqrt(var_min + eps) if math.isfinite(var_min) and var_min + eps > 0 else float("nan")
+            name = metric_safe(path)
+            metrics[f"ln/var_mean/{name}"] = var_mean
+            metrics[f"ln/var_min/{name}"] = var_min
+            metrics[f"ln/amp_max/{name}"] = amp_max
+            nonfinite += n_nonfinite
+            var_min_list.append(var_min)
+            var_mean_list.append(var_mean)
+            amp_list.append(amp_max)
+            bound = 1.0 / math.sqrt(eps)
+            if self.warn_amp_fraction is not None and amp_max > self.warn_amp_fraction * bound:
+                last = self._last_warned.get(path)
+                if last is None or self._n_logs - last >= self.warn_cooldown:
+                    self._last_warned[path] = self._n_logs
+                    over.append(f"{path} (amp_max {amp_max:.4g} = {amp_max / bound:.0%} of 1/sqrt(eps) = {bound:.4g})")
+        metrics["ln/nonfinite_count"] = nonfinite
+        self._n_logs += 1
+        if over:
+            rank_zero_warn(
+                f"LayerNormInputMonitor at step {step}: input variance near eps, the norm amplifies its input "
+                f"(and gradient) close to its 1/sqrt(eps) bound: {'; '.join(over)}. "
+                "Such a norm is normalising almost-constant rows; consider a larger eps or check the layer feeding it."
+            )
+        self._log(trainer, metrics, step)
+        self._depth_profile(
+            trainer,
+            "ln/depth_profile",
+            step,
+            title=f"LayerNorm inputs by norm (step {step})",
+            panels=[
+                ("input variance", {"var_min": var_min_list, "var_mean": var_mean_list}, True),
+                ("amp_max = 1/sqrt(var_min+eps)", {"amp_max": amp_list}, True),
+            ],
+            xlabels=[str(i) for i in range(len(self.norm_paths))],
+            xlabel="norm index (module order)",
+        )
+
+    def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
+        return {
+            "ln-lightning: LayerNorm inputs": {
+                "LN var_min by norm": ["Multiline", [r"^ln/var_min/"]],
+                "LN var_mean by norm": ["Multiline", [r"^ln/var_mean/"]],
+                "LN amp_max": ["Multiline", [r"^ln/amp_max/"]],
+                "LN non-finite rows": ["Multiline", [r"^ln/nonfinite_count$"]],
+            }
+        }

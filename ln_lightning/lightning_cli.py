@@ -1,0 +1,39 @@
+"""`ln-lightning fit|validate|test|predict --config configs/NAME.yaml`: Lightning's own LightningCLI.
+
+The YAML names the model, the data, the trainer and its plugins and callbacks by `class_path`, so any
+LightningModule / LightningDataModule works, not only the demo:
+
+    trainer:
+      plugins:
+        - class_path: ln_lightning.LNPlacement
+          init_args: {placement: pre, final_norm: true}
+    model:
+      class_path: ln_lightning.demo.lightning.CharLM
+    data:
+      class_path: ln_lightning.demo.lightning.CharDataModule
+
+Everything LightningCLI offers works as usual: `--print_config`, overrides such as `--trainer.max_steps 50`
+or `--data.text_file my.txt`, several `--config` files.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run LightningCLI on `argv` (default: sys.argv[1:]), e.g. `["fit", "--config", "configs/x.yaml"]`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    LightningCLI(
+        model_class=None,  # any LightningModule, chosen by class_path in the YAML
+        datamodule_class=None,
+        args=argv,
+        save_config_kwargs={"overwrite": True},  # re-running the demo into the same log dir is fine
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
