@@ -26,12 +26,18 @@ from lightning.pytorch.cli import LightningCLI
 def main(argv: list[str] | None = None) -> int:
     """Run LightningCLI on `argv` (default: sys.argv[1:]), e.g. `["fit", "--config", "configs/x.yaml"]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    LightningCLI(
-        model_class=None,  # any LightningModule, chosen by class_path in the YAML
-        datamodule_class=None,
-        args=argv,
-        save_config_kwargs={"overwrite": True},  # re-running the demo into the same log dir is fine
-    )
+    # LightningCLI reads sys.argv when `args` is None; handing it our argv that way avoids its
+    # "both args and command line arguments" warning when run as `ln-lightning fit ...`.
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "ln-lightning", *argv]
+    try:
+        LightningCLI(
+            model_class=None,  # any LightningModule, chosen by class_path in the YAML
+            datamodule_class=None,
+            save_config_kwargs={"overwrite": True},  # re-running the demo into the same log dir is fine
+        )
+    finally:
+        sys.argv = saved
     return 0
 
 

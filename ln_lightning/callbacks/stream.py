@@ -86,7 +86,9 @@ class StreamNormMonitor(MonitorBase):
             return
         self.block_paths = [p for p, _ in targets]
         for index, (path, module) in enumerate(targets):
-            self._handles.append(module.register_forward_hook(self._make_hook(index, path), with_kwargs=True))
+            # prepend: see the block's own output, before hooks that post-process it (the final norm
+            # convert() adds to a stack is applied by a hook on its last block).
+            self._handles.append(module.register_forward_hook(self._make_hook(index, path), with_kwargs=True, prepend=True))
         rank_zero_info(f"StreamNormMonitor: monitoring {len(targets)} blocks ({source})")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -77,6 +77,11 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+def _pct(v: float) -> str:
+    # Small but real changes must not print as "0.0%" next to "CHANGES the function".
+    return f"{v:.1%}" if v >= 1e-3 else f"{v * 100:.2g}%"
+
+
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[str(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
@@ -204,7 +209,7 @@ class ConversionReport:
         if self.blocks:
             rows = [
                 [b.path, b.status, f"{b.before} -> {b.after}", "" if b.check_error is None else f"{b.check_error:.1e}",
-                 "" if b.output_change is None else f"{b.output_change:.1%}", b.reason]
+                 "" if b.output_change is None else _pct(b.output_change), b.reason]
                 for b in self.blocks
             ]
             out.append(_table(["block", "status", "placement", "check err", "output change", "note"], rows))
@@ -222,7 +227,7 @@ class ConversionReport:
             scope = {"model": "the model's output", "blocks": "a block's output (largest over blocks)"}.get(
                 self.output_change_scope, "the output"
             )
-            change = "" if self.output_change is None else f": {scope} changed by {self.output_change:.1%} (relative L2) on the probe input"
+            change = "" if self.output_change is None else f": {scope} changed by {_pct(self.output_change)} (relative L2) on the probe input"
             out.append(
                 f"WARNING: this conversion CHANGES the function the model computes{change}. "
                 "Trained weights will not give the same predictions: fine-tune or retrain after converting."
