@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
 
 import lightning as L
 import torch

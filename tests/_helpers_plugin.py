@@ -8,7 +8,6 @@ re-executes the command line (ddp, ModelParallelStrategy) or that need separatel
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -283,7 +282,6 @@ def run_scenario(strategy_kw, out_dir: str, model_cls=ProbeLM, fused: bool = Fal
     model = model_cls()
     trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(8, seed=1))
     last = os.path.join(out_dir, "ckpt_fit", "last.ckpt")
-    ref_path = os.path.join(out_dir, "fit_rank0.end.pt")
     results = {"rank": trainer.global_rank}
     # The trained function after fit, on this very model (rank-local forward; sharded models gather).
     x = RandomTokens(4, seed=2).data[:, :-1]

@@ -9,7 +9,6 @@ of the weights (`prenorm_reference`).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import socket

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from ln_lightning.placement import hooks
 from ln_lightning.placement.blocks import (

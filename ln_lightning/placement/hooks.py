@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
 
 import torch
 from torch import nn
