@@ -380,17 +380,16 @@ def _rel_change(before: torch.Tensor, after: torch.Tensor) -> float:
 
 
 def _synthetic_probe(h: Handler) -> tuple[tuple, dict]:
-    norm = h.norms()[0]
     w = next(iter(h.block.parameters()))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, h.stream_dim(), generator=g, dtype=torch.float64)
     # An offset and a non-unit scale, so a misplaced norm can't go unnoticed.
     x = (3.0 * x + 0.5).to(device=w.device, dtype=w.dtype)
-    del norm
     return h.probe_args(x)
 
 
-def _capture_block_inputs(model: nn.Module, handlers: list[Handler], example: Any) -> dict:
+def _run_capturing_block_inputs(model: nn.Module, handlers: list[Handler], example: Any) -> tuple[Any, dict]:
+    """One run of the model on `example`: its output, and each hook-rewritable block's real inputs."""
     captured: dict = {}
 
     def make(h):
@@ -401,13 +400,11 @@ def _capture_block_inputs(model: nn.Module, handlers: list[Handler], example: An
 
     handles = [h.block.register_forward_pre_hook(make(h), with_kwargs=True) for h in handlers if isinstance(h, HookedHandler)]
     try:
-        _run_model(model, example)
-    except Exception:
-        captured.clear()
+        out = _run_model(model, example)
     finally:
         for hd in handles:
             hd.remove()
-    return captured
+    return out, captured
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,8 +586,10 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
         return report
     blocks_ids = [set(id(m) for m in h.block.modules()) for h in all_handlers]
     example = _example_of(model, example_input)
-    model_before = _first_tensor(_run_model(model, example)) if example is not None else None
-    captured = _capture_block_inputs(model, all_handlers, example) if example is not None else {}
+    model_before, captured = None, {}
+    if example is not None:
+        out, captured = _run_capturing_block_inputs(model, all_handlers, example)
+        model_before = _first_tensor(out)
     shared = _shared_norms(all_handlers)
 
     done: list[tuple[Handler, str]] = []  # for undo under strict
