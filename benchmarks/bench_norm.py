@@ -7,7 +7,9 @@ interleaved in one run (variants alternate inside every repeat; medians reported
 * group "norm": ``nn.LayerNorm`` vs ``FusedLayerNorm`` (on CPU also our custom-op path, to show
   why the torch backend calls aten's kernel directly for a plain LayerNorm);
 * group "add+norm": eager ``h = x + r; y = ln(h)`` vs ``torch.compile`` of the same vs
-  ``fused_add_layer_norm`` (the new residual ``h`` also receives a gradient, as in a block);
+  ``fused_add_layer_norm`` (the new residual ``h`` also receives a gradient, as in a block); on
+  CPU in bfloat16/float16 also ours on aten's kernels ("[aten]"), to show what the compiled CPU
+  kernels (ln_lightning/norm/csrc) add;
 
 in two modes: forward (``torch.no_grad``) and forward+backward. Effective bandwidth counts the
 bytes that must move (reads + writes of the activation-sized tensors, in the input dtype):
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from ln_lightning.norm import FusedLayerNorm, fused_add_layer_norm  # noqa: E402
 from ln_lightning.norm import functional as _functional  # noqa: E402
+from ln_lightning.norm import _cpu_kernels  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -56,6 +59,20 @@ BASELINE = {"norm": "nn.LayerNorm", "add+norm": "eager add+LN"}
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _without_cpu_kernels(step: Callable[[], None]) -> Callable[[], None]:
+    """The step (forward and backward) with the compiled CPU kernels off: aten's inside our op."""
+
+    def run() -> None:
+        saved = _cpu_kernels._state
+        _cpu_kernels._state = "disabled"
+        try:
+            step()
+        finally:
+            _cpu_kernels._state = saved
+
+    return run
 
 
 class Case:
@@ -114,6 +131,8 @@ class Case:
             if self.compiled is not None and self.compile_error is None:
                 fns["compiled add+LN"] = self.compiled
             fns["fused add+LN"] = self._fused_add_ln
+            if self.device.type == "cpu" and self.dtype in _cpu_kernels.DTYPES and _cpu_kernels.module() is not None:
+                fns["fused add+LN[aten]"] = self._fused_add_ln
 
             def make(fn):
                 if mode == "fwd":
@@ -128,7 +147,10 @@ class Case:
                         y, h = fn(self.x, self.r)
                         torch.autograd.grad([y, h], [self.x, self.r, self.ln.weight, self.ln.bias], [self.gy, self.gh])
                 return step
-        return {name: make(fn) for name, fn in fns.items()}
+        steps = {name: make(fn) for name, fn in fns.items()}
+        if "fused add+LN[aten]" in steps:
+            steps["fused add+LN[aten]"] = _without_cpu_kernels(steps["fused add+LN[aten]"])
+        return steps
 
     def warm_compile(self, mode: str) -> None:
         if self.compiled is None or self.compile_error is not None:

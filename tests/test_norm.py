@@ -6,9 +6,11 @@ The Triton kernels are tested under the interpreter in tests/test_norm_triton.py
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from ln_lightning.norm import (
     swap_layernorms,
     unswap_layernorms,
 )
-from ln_lightning.norm import _backend, functional
+from ln_lightning.norm import _backend, _cpu_kernels, _torch_ops, functional
 
 
 # --------------------------------------------------------------------------- numerics
@@ -64,6 +66,153 @@ def eager_path(request, monkeypatch):
 def test_edge_cases(case, via_aten, eager_path, monkeypatch):
     monkeypatch.setattr(functional, "PLAIN_LAYER_NORM_VIA_ATEN", via_aten)
     assert_within_torch_error(case, backend="torch")
+
+
+# --------------------------------------------------------------------------- compiled CPU kernels
+
+def _compiled_cpu_kernels():
+    """The compiled bfloat16 CPU module; CI must be able to build it (it installs g++ and ninja)."""
+    mod = _cpu_kernels.module()
+    if mod is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the compiled CPU kernels did not build in CI: {_cpu_kernels.failure}")
+        pytest.skip(f"compiled CPU kernels unavailable: {_cpu_kernels.failure}")
+    return mod
+
+
+@pytest.fixture
+def aten_kernels(monkeypatch):
+    """Run the torch backend on aten's kernels only (as when the compiled kernels can't build)."""
+    monkeypatch.setattr(_cpu_kernels, "_state", "disabled")
+
+
+@pytest.mark.parametrize("case", [
+    Case(6, 257, torch.bfloat16, True, "full", 1e4, 2, False, 11),  # offset, constant rows
+    Case(3, 64, torch.bfloat16, True, "no_bias", 0.0, 1, True, 12),  # float32 stream
+    Case(4, 1, torch.bfloat16, True, "full", 0.0, 0, False, 13),  # hidden 1
+    Case(2, 300, torch.bfloat16, False, "none", 0.0, 1, True, 14),  # float32 stream from None
+    Case(5, 33, torch.bfloat16, False, "full", 3.0, 0, False, 15),  # plain, through the op
+])
+def test_compiled_cpu_kernels_within_torch_error_and_exact_on_constant_rows(case, monkeypatch):
+    _compiled_cpu_kernels()
+    calls = []
+    real = _torch_ops._compiled_backward
+    monkeypatch.setattr(_torch_ops, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
+    monkeypatch.setattr(functional, "PLAIN_LAYER_NORM_VIA_ATEN", False)
+    assert_within_torch_error(case, backend="torch", exact_constant_rows=True)
+    assert calls, "the compiled kernels were not used"
+
+
+@pytest.mark.parametrize("case", [
+    Case(6, 257, torch.bfloat16, True, "full", 1e4, 2, False, 21),
+    Case(3, 64, torch.bfloat16, True, "no_bias", 0.0, 1, True, 22),
+])
+def test_aten_fallback_within_torch_error(case, aten_kernels, monkeypatch):
+    monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
+    assert_within_torch_error(case, backend="torch")
+
+
+def test_compiled_cpu_kernels_weight_gradient_is_float32_accurate(monkeypatch):
+    # aten's bfloat16 CPU kernel loses most of the weight gradient's precision over many rows;
+    # the compiled kernel accumulates in float32. Independent reference: float64 autograd on the
+    # same bfloat16 stream h (the input both kernels normalise).
+    _compiled_cpu_kernels()
+    monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
+    g = torch.Generator().manual_seed(0)
+    rows, hidden = 2048, 256
+    h = (torch.randn(rows, hidden, generator=g) + 3).bfloat16()
+    gy = torch.randn(rows, hidden, generator=g).bfloat16()
+    w, b = torch.randn(hidden, generator=g).bfloat16(), torch.randn(hidden, generator=g).bfloat16()
+
+    def grads(fn, *inputs):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        return torch.autograd.grad([fn(*leaves)], leaves, [gy.to(leaves[0].dtype)])
+
+    plain = lambda h, w, b: F.layer_norm(h, (hidden,), w, b)
+    ref = grads(plain, *(t.double() for t in (h, w, b)))
+    ours = grads(lambda h, w, b: fused_add_layer_norm(h, torch.zeros_like(h), w, b, backend="torch")[0], h, w, b)
+    aten = grads(plain, h, w, b)
+    rel = lambda a, ref: ((a.double() - ref).abs().max() / ref.abs().max()).item()
+    errors = {name: (rel(o, e), rel(a, e)) for name, o, a, e in zip(("dh", "dweight", "dbias"), ours, aten, ref)}
+    for name, (o, a) in errors.items():
+        assert o < 1e-2 and o <= a, (name, errors)
+    assert errors["dweight"][0] < errors["dweight"][1] / 4 and errors["dbias"][0] < errors["dbias"][1] / 4, errors
+
+
+def test_compiled_cpu_kernels_are_deterministic_across_thread_counts(monkeypatch):
+    _compiled_cpu_kernels()
+    monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
+    g = torch.Generator().manual_seed(1)
+    x, r, gy, gh = (torch.randn(300, 200, generator=g).bfloat16() for _ in range(4))
+    ln = nn.LayerNorm(200, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            xx, rr = x.clone().requires_grad_(), r.clone().requires_grad_()
+            y, h = fused_add_layer_norm(xx, rr, ln.weight, ln.bias, backend="torch")
+            results.append((y, h, *torch.autograd.grad([y, h], [xx, ln.weight, ln.bias], [gy, gh])))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@pytest.mark.parametrize("residual_dtype", [torch.float16, torch.float32, torch.float64])
+def test_bf16_input_with_other_residual_dtypes(residual_dtype, eager_path):
+    # Forward and backward must pick the same kernel (their mean/rstd differ in meaning); the
+    # result equals the plain composition in the promoted dtype.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 40, generator=g).bfloat16()
+    r = torch.randn(4, 40, generator=g).to(residual_dtype)
+    w, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
+    gy = torch.randn(4, 40, generator=g)
+    hdt = torch.promote_types(torch.bfloat16, residual_dtype)
+    gh = torch.randn(4, 40, generator=g).to(hdt)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        y, h = fn(*leaves)
+        assert h.dtype == hdt and y.dtype == torch.bfloat16
+        return (y, h, *torch.autograd.grad([y, h], leaves, [gy.bfloat16(), gh]))
+
+    ours = run(lambda *a: fused_add_layer_norm(*a, backend="torch"))
+    ref = run(lambda x, r, w, b: ((F.layer_norm(x.to(hdt) + r.to(hdt), (40,), w.to(hdt), b.to(hdt))).bfloat16(), x.to(hdt) + r.to(hdt)))
+    for a, e in zip(ours, ref):
+        torch.testing.assert_close(a.double(), e.double(), rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_kernel_build_failure_warns_once_and_falls_back(monkeypatch):
+    def broken():
+        raise OSError("no C++ compiler found")
+
+    monkeypatch.setattr(_cpu_kernels, "_state", "unloaded")
+    monkeypatch.setattr(_cpu_kernels, "_module", None)
+    monkeypatch.setattr(_cpu_kernels, "_build", broken)
+    monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
+    x = torch.randn(3, 16).bfloat16().requires_grad_()
+    r = torch.randn(3, 16).bfloat16()
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found.*pip install ninja.*LN_LIGHTNING_CPU_KERNELS=0"):
+        y, h = fused_add_layer_norm(x, r, None, None, backend="torch")
+    assert _cpu_kernels.failure.startswith("OSError")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call says nothing more
+        y2, _ = fused_add_layer_norm(x, r, None, None, backend="torch")
+    torch.testing.assert_close(y, F.layer_norm(x + r, (16,)), rtol=0, atol=0)
+    y.float().sum().backward()
+    assert x.grad is not None
+
+
+def test_cpu_kernels_env_switch_disables_without_warning(monkeypatch):
+    monkeypatch.setenv(_cpu_kernels.ENV_VAR, "0")
+    monkeypatch.setattr(_cpu_kernels, "_state", "unloaded")
+    monkeypatch.setattr(_cpu_kernels, "_module", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _cpu_kernels.module() is None
+    assert _cpu_kernels.failure == f"{_cpu_kernels.ENV_VAR}=0"
 
 
 @pytest.mark.parametrize("via_aten", [True, False])

@@ -1,5 +1,8 @@
 """The ``torch`` backend: aten's LayerNorm kernels behind ``torch.library`` custom ops.
 
+bfloat16 CPU tensors run the compiled kernels of :mod:`._cpu_kernels` instead when they
+can be built (one fused pass each way, float32 statistics); everything else runs aten's kernels.
+
 The residual add and the residual-gradient accumulation are done around aten's
 ``native_layer_norm``/``native_layer_norm_backward`` with as few temporaries as possible: the
 forward writes ``x + residual`` once and normalises it, keeping mean/rstd (float32) for the
@@ -14,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _common
+from . import _common, _cpu_kernels
 
 aten = torch.ops.aten
 
@@ -43,6 +46,8 @@ def add_layer_norm_impl(
     y_fp32: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rdt = _common.residual_dtype(x, residual, residual_in_fp32)
+    if _cpu_kernels.usable_forward(x, residual, rdt, y_fp32):
+        return _compiled_forward(x, residual, weight, bias, eps, rdt)
     if residual is None:
         h = x.to(rdt)
     elif x.dtype == rdt and residual.dtype == rdt:
@@ -75,6 +80,8 @@ def add_layer_norm_backward_impl(
     need_weight_grad: bool,
     need_bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if _cpu_kernels.usable_backward(dy, h):
+        return _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad)
     cdt = torch.promote_types(h.dtype, dy.dtype)
     w, b, native_stat_dtype = _params(weight, bias, cdt)
     need_w = need_weight_grad and weight is not None
@@ -90,6 +97,27 @@ def add_layer_norm_backward_impl(
         dh.add_(dresidual)  # fused residual-gradient accumulation: no extra tensor
     dw = (dw if dw.dtype == weight.dtype else dw.to(weight.dtype)) if need_w else h.new_empty(0)
     db = (db if db.dtype == bias.dtype else db.to(bias.dtype)) if need_b else h.new_empty(0)
+    return dh, dw, db
+
+
+def _compiled_forward(x, residual, weight, bias, eps, rdt):
+    if residual is not None and residual.dtype not in (x.dtype, torch.float32):
+        residual = residual.float()  # bf16 + fp16 promotes to float32; the conversion is exact
+    f32 = lambda p: None if p is None else p.float()
+    y, h, mean, rstd = _cpu_kernels.module().add_layer_norm_fwd(
+        x, residual, f32(weight), f32(bias), float(eps), rdt == torch.float32
+    )
+    return y, h, mean, rstd
+
+
+def _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad):
+    need_w = need_weight_grad and weight is not None
+    need_b = need_bias_grad and bias is not None
+    dh, dw, db = _cpu_kernels.module().add_layer_norm_bwd(
+        dy, dresidual, h, mean, rstd, None if weight is None else weight.float(), need_w, need_b
+    )
+    dw = dw.to(weight.dtype) if need_w else h.new_empty(0)
+    db = db.to(bias.dtype) if need_b else h.new_empty(0)
     return dh, dw, db
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _backend, _common
-from . import _torch_ops
+from . import _cpu_kernels, _torch_ops
 
 # On the torch backend a LayerNorm with nothing to fuse *is* aten's kernel: our custom op around
 # the same kernel only adds dispatch overhead (benchmarks/bench_norm.py measures both). Kept as a
@@ -140,7 +140,10 @@ def fused_add_layer_norm(
     if name == "torch":
         if not stored and PLAIN_LAYER_NORM_VIA_ATEN:
             return F.layer_norm(x, shape, weight, bias, eps), x
-        if x.numel() < EAGER_COMPOSITE_BELOW and not torch.compiler.is_compiling() and not _autocast_to_fp32(x):
+        small = x.numel() < EAGER_COMPOSITE_BELOW and not torch.compiler.is_compiling() and not _autocast_to_fp32(x)
+        # (bfloat16 on CPU skips the shortcut when the compiled kernels exist: they are faster at
+        # every size and keep float32 statistics, and a result's precision should not depend on size)
+        if small and not (x.dtype in _cpu_kernels.DTYPES and x.device.type == "cpu" and _cpu_kernels.module() is not None):
             return _composite_add_layer_norm(x, residual, weight, bias, eps, residual_in_fp32, shape)
     x2 = x.reshape(-1, hidden).contiguous()
     r2 = None if residual is None else residual.reshape(-1, hidden).contiguous()

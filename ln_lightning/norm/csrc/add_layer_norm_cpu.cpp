@@ -1,0 +1,261 @@
+// Fused residual add + LayerNorm for bfloat16 CPU tensors, forward and backward.
+//
+// Built on first use by ln_lightning/norm/_cpu_kernels.py (torch.utils.cpp_extension). Why it
+// exists: aten's bfloat16 CPU LayerNorm rounds mean/rstd to the input dtype and loses most
+// of the weight gradient's precision, and the add and the norm are separate passes. Here each row
+// is read once per direction: the forward writes h = x + residual and y = LN(h) in one pass over
+// the inputs; the backward writes dh = dLN + dresidual in one pass, with the weight/bias gradients
+// accumulated in float32 per fixed block of rows and summed in block order (deterministic,
+// independent of the thread count). Statistics are float32, taken of (h - h[0]) per row so that
+// a constant row normalises to exact zeros and large offsets do not cancel.
+//
+// Layout contract (checked on the Python side): 2-D contiguous (rows, n) tensors; x and dy of
+// dtype T (bf16; fp32 is instantiated for the float32 stream); residual of T or float32; h and dresidual of T or float32; weight
+// and bias float32 or absent; mean/rstd float32 (rows,).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+// Element access in float32. bfloat16 is converted with integer bit operations (round to
+// nearest even, NaN kept) so that the loops below vectorise.
+inline float ld(const float* p, int64_t j) { return p[j]; }
+inline float ld(const c10::BFloat16* p, int64_t j) {
+  uint32_t u = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[j]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void st(float* p, int64_t j, float v) { p[j] = v; }
+inline void st(c10::BFloat16* p, int64_t j, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  reinterpret_cast<uint16_t*>(p)[j] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+// The value a float rounds to when stored as T (the new residual is normalised as stored).
+template <typename T> inline float round_as(float v) { T t; st(&t, 0, v); return ld(&t, 0); }
+
+inline float fold(const float* acc) {
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+template <typename T, typename R, typename H>
+void forward_rows(const T* __restrict__ x, const R* __restrict__ res, H* __restrict__ h, T* __restrict__ y,
+                  const float* __restrict__ w, const float* __restrict__ b, float* mean_out, float* rstd_out,
+                  int64_t rows, int64_t n, float eps) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / n);
+  const int64_t nv = n - n % kLanes;
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    float* __restrict__ v = buf.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const T* __restrict__ xr = x + r * n;
+      const R* __restrict__ rr = res ? res + r * n : nullptr;
+      H* __restrict__ hr = h ? h + r * n : nullptr;
+      // Statistics of (h - h[0]): a constant row gives exact zeros, a large offset costs nothing.
+      const float shift = round_as<H>(ld(xr, 0) + (rr ? ld(rr, 0) : 0.f));
+      float acc[kLanes] = {0};
+      if (rr) {
+        for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
+          for (int64_t l = 0; l < kLanes; ++l) {
+            const int64_t j = j0 + l;
+            st(hr, j, ld(xr, j) + ld(rr, j));
+            v[j] = ld(hr, j) - shift;
+            acc[l] += v[j];
+          }
+        for (int64_t j = nv; j < n; ++j) { st(hr, j, ld(xr, j) + ld(rr, j)); v[j] = ld(hr, j) - shift; acc[0] += v[j]; }
+      } else if (hr) {  // residual_in_fp32 without a residual: the stream is x in float32
+        for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
+          for (int64_t l = 0; l < kLanes; ++l) {
+            const int64_t j = j0 + l;
+            st(hr, j, ld(xr, j));
+            v[j] = ld(hr, j) - shift;
+            acc[l] += v[j];
+          }
+        for (int64_t j = nv; j < n; ++j) { st(hr, j, ld(xr, j)); v[j] = ld(hr, j) - shift; acc[0] += v[j]; }
+      } else {
+        for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
+          for (int64_t l = 0; l < kLanes; ++l) {
+            const int64_t j = j0 + l;
+            v[j] = ld(xr, j) - shift;
+            acc[l] += v[j];
+          }
+        for (int64_t j = nv; j < n; ++j) { v[j] = ld(xr, j) - shift; acc[0] += v[j]; }
+      }
+      const float m = fold(acc) / n;
+      float acc2[kLanes] = {0};
+      for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) { const float d = v[j0 + l] - m; acc2[l] += d * d; }
+      for (int64_t j = nv; j < n; ++j) { const float d = v[j] - m; acc2[0] += d * d; }
+      const float rs = 1.f / std::sqrt(fold(acc2) / n + eps);
+      mean_out[r] = m;
+      rstd_out[r] = rs;
+      T* __restrict__ yr = y + r * n;
+      if (w && b) { for (int64_t j = 0; j < n; ++j) st(yr, j, (v[j] - m) * rs * w[j] + b[j]); }
+      else if (w) { for (int64_t j = 0; j < n; ++j) st(yr, j, (v[j] - m) * rs * w[j]); }
+      else if (b) { for (int64_t j = 0; j < n; ++j) st(yr, j, (v[j] - m) * rs + b[j]); }
+      else { for (int64_t j = 0; j < n; ++j) st(yr, j, (v[j] - m) * rs); }
+    }
+  });
+}
+
+template <typename T, typename H>
+void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* __restrict__ dres, H* __restrict__ dh,
+                   const float* __restrict__ w, const float* mean, const float* rstd, float* dw_part, float* db_part,
+                   int64_t blocks, int64_t rows, int64_t n) {
+  const int64_t nv = n - n % kLanes;
+  at::parallel_for(0, blocks, 1, [&](int64_t bbegin, int64_t bend) {
+    std::vector<float> buf(2 * n);
+    float* __restrict__ xh = buf.data();
+    float* __restrict__ g = xh + n;
+    for (int64_t blk = bbegin; blk < bend; ++blk) {
+      const int64_t r0 = rows * blk / blocks, r1 = rows * (blk + 1) / blocks;
+      float* __restrict__ dwp = dw_part ? dw_part + blk * n : nullptr;
+      float* __restrict__ dbp = db_part ? db_part + blk * n : nullptr;
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* __restrict__ dyr = dy + r * n;
+        const H* __restrict__ hr = h + r * n;
+        const float shift = ld(hr, 0), m = mean[r], rs = rstd[r];
+        float acc_a[kLanes] = {0}, acc_c[kLanes] = {0};
+        for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
+          for (int64_t l = 0; l < kLanes; ++l) {
+            const int64_t j = j0 + l;
+            const float xv = ((ld(hr, j) - shift) - m) * rs, d = ld(dyr, j), gv = w ? d * w[j] : d;
+            xh[j] = xv;
+            g[j] = gv;
+            acc_a[l] += gv;
+            acc_c[l] += gv * xv;
+          }
+        for (int64_t j = nv; j < n; ++j) {
+          const float xv = ((ld(hr, j) - shift) - m) * rs, d = ld(dyr, j), gv = w ? d * w[j] : d;
+          xh[j] = xv; g[j] = gv; acc_a[0] += gv; acc_c[0] += gv * xv;
+        }
+        if (dwp) for (int64_t j = 0; j < n; ++j) dwp[j] += ld(dyr, j) * xh[j];
+        if (dbp) for (int64_t j = 0; j < n; ++j) dbp[j] += ld(dyr, j);
+        const float a = fold(acc_a) / n, c = fold(acc_c) / n;
+        H* __restrict__ dhr = dh + r * n;
+        if (dres) {
+          const H* __restrict__ drr = dres + r * n;
+          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (g[j] - a - xh[j] * c) + ld(drr, j));
+        } else {
+          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (g[j] - a - xh[j] * c));
+        }
+      }
+    }
+  });
+}
+
+// float32, bfloat16 and float16 only: the Python side keeps float64 on aten's kernel.
+template <typename F>
+void dispatch_reduced(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "ln_lightning cpu kernel: unsupported dtype ", t);
+  }
+}
+
+template <typename F>
+void dispatch(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "ln_lightning CPU kernel: unsupported dtype ", t);
+  }
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) { return t.numel() ? t.data_ptr<T>() : nullptr; }
+
+template <typename T>
+const T* optional_ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<T>() : nullptr; }
+
+}  // namespace
+
+// (y, h or an empty tensor when h is x itself, mean, rstd)
+std::vector<at::Tensor> add_layer_norm_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                           const c10::optional<at::Tensor>& weight,
+                                           const c10::optional<at::Tensor>& bias, double eps, bool h_fp32) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto y = at::empty_like(x);
+  const bool store = residual.has_value() || (h_fp32 && x.scalar_type() != at::kFloat);
+  const auto h_dtype = h_fp32 ? at::kFloat : x.scalar_type();
+  auto h = store ? at::empty_like(x, x.options().dtype(h_dtype)) : at::empty({0}, x.options());
+  auto mean = at::empty({rows}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  const float* w = optional_ptr<float>(weight);
+  const float* b = optional_ptr<float>(bias);
+  const auto r_dtype = residual.has_value() ? residual->scalar_type() : x.scalar_type();
+  dispatch(x.scalar_type(), [&](auto t_tag) {
+    using T = decltype(t_tag);
+    dispatch(r_dtype, [&](auto r_tag) {
+      using R = decltype(r_tag);
+      dispatch(h_dtype, [&](auto h_tag) {
+        using H = decltype(h_tag);
+        if constexpr ((std::is_same_v<R, T> || std::is_same_v<R, float>) && (std::is_same_v<H, T> || std::is_same_v<H, float>)) {
+          forward_rows<T, R, H>(x.data_ptr<T>(), optional_ptr<R>(residual), store ? ptr<H>(h) : nullptr, y.data_ptr<T>(),
+                                w, b, mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, n, static_cast<float>(eps));
+        } else {
+          TORCH_CHECK(false, "ln_lightning CPU kernel: unsupported dtype combination");
+        }
+      });
+    });
+  });
+  return {y, h, mean, rstd};
+}
+
+// (dh, dweight or empty, dbias or empty); dweight/dbias in float32.
+std::vector<at::Tensor> add_layer_norm_bwd(const at::Tensor& dy, const c10::optional<at::Tensor>& dresidual,
+                                           const at::Tensor& h, const at::Tensor& mean, const at::Tensor& rstd,
+                                           const c10::optional<at::Tensor>& weight, bool need_weight_grad,
+                                           bool need_bias_grad) {
+  const int64_t rows = h.size(0), n = h.size(1);
+  auto dh = at::empty_like(h);
+  // A fixed number of row blocks, not one per thread: the reduction order never depends on the
+  // thread count.
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, 32));
+  auto opts = h.options().dtype(at::kFloat);
+  auto dw_part = need_weight_grad ? at::zeros({blocks, n}, opts) : at::empty({0}, opts);
+  auto db_part = need_bias_grad ? at::zeros({blocks, n}, opts) : at::empty({0}, opts);
+  const float* w = optional_ptr<float>(weight);
+  dispatch(dy.scalar_type(), [&](auto t_tag) {
+    using T = decltype(t_tag);
+    dispatch(h.scalar_type(), [&](auto h_tag) {
+      using H = decltype(h_tag);
+      if constexpr (std::is_same_v<H, T> || std::is_same_v<H, float>) {
+        backward_rows<T, H>(dy.data_ptr<T>(), h.data_ptr<H>(), optional_ptr<H>(dresidual), dh.data_ptr<H>(), w,
+                            mean.data_ptr<float>(), rstd.data_ptr<float>(), ptr<float>(dw_part), ptr<float>(db_part),
+                            blocks, rows, n);
+      } else {
+        TORCH_CHECK(false, "ln_lightning CPU kernel: unsupported dtype combination");
+      }
+    });
+  });
+  auto sum_blocks = [&](const at::Tensor& part) {
+    if (!part.numel()) return part;
+    auto out = at::zeros({n}, opts);
+    float* o = out.data_ptr<float>();
+    const float* p = part.data_ptr<float>();
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (int64_t j = 0; j < n; ++j) o[j] += p[blk * n + j];
+    return out;
+  };
+  return {dh, sum_blocks(dw_part), sum_blocks(db_part)};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_layer_norm_fwd", &add_layer_norm_fwd, "fused residual add + LayerNorm, forward");
+  m.def("add_layer_norm_bwd", &add_layer_norm_bwd, "fused residual add + LayerNorm, backward");
+}
