@@ -140,6 +140,37 @@ def test_compiled_cpu_kernels_weight_gradient_is_float32_accurate(monkeypatch):
     assert errors["dweight"][0] < errors["dweight"][1] / 4 and errors["dbias"][0] < errors["dbias"][1] / 4, errors
 
 
+def test_fused_layernorm_bf16_cpu_large_uses_compiled_kernels_small_is_exactly_aten(monkeypatch):
+    _compiled_cpu_kernels()
+    calls = []
+    real = _torch_ops._compiled_backward
+    monkeypatch.setattr(_torch_ops, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
+    ref = nn.LayerNorm(256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    ln = FusedLayerNorm.from_layernorm(ref)
+    g = torch.Generator().manual_seed(3)
+    small = torch.randn(functional.COMPILED_CPU_FROM // 256 - 1, 256, generator=g).bfloat16()
+    assert torch.equal(ln(small), ref(small))  # below the threshold: F.layer_norm itself
+    big = (torch.randn(2048, 256, generator=g) + 3).bfloat16()
+    gy = torch.randn(2048, 256, generator=g).bfloat16()
+    outs = {}
+    for name, mod in (("ours", ln), ("aten", ref)):
+        xx = big.clone().requires_grad_()
+        y = mod(xx)
+        outs[name] = (y, *torch.autograd.grad([y], [xx, ref.weight, ref.bias], [gy]))
+    assert calls, "FusedLayerNorm did not run the compiled kernels"
+    # Forward: the same function; at most 1 bfloat16 ulp apart (different float32 summation order).
+    torch.testing.assert_close(outs["ours"][0], outs["aten"][0], rtol=2**-7, atol=2**-7)
+    xd = big.double().requires_grad_()
+    wd, bd = ref.weight.double().detach().requires_grad_(), ref.bias.double().detach().requires_grad_()
+    exact = torch.autograd.grad([F.layer_norm(xd, (256,), wd, bd)], [xd, wd, bd], [gy.double()])
+    rel = lambda a, e: ((a.double() - e).abs().max() / e.abs().max()).item()
+    for i, name in ((1, "dx"), (2, "dweight"), (3, "dbias")):
+        assert rel(outs["ours"][i], exact[i - 1]) <= rel(outs["aten"][i], exact[i - 1]) + 1e-6, name
+
+
 def test_compiled_cpu_kernels_are_deterministic_across_thread_counts(monkeypatch):
     _compiled_cpu_kernels()
     monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)

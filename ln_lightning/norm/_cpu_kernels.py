@@ -105,7 +105,7 @@ def module() -> Any:
 
 def usable_forward(x: torch.Tensor, residual: Optional[torch.Tensor], h_dtype: torch.dtype, y_fp32: bool) -> bool:
     """Whether the compiled forward takes these inputs; :func:`usable_backward` agrees on its outputs."""
-    if x.device.type != "cpu" or x.dtype not in DTYPES or y_fp32:
+    if x.device.type != "cpu" or x.dtype not in DTYPES or y_fp32 or x.numel() == 0:
         return False
     if h_dtype not in (x.dtype, torch.float32):
         return False
@@ -126,5 +126,6 @@ def usable_backward(dy: torch.Tensor, h: torch.Tensor) -> bool:
         dy.device.type == "cpu"
         and dy.dtype in DTYPES
         and h.dtype in (dy.dtype, torch.float32)
+        and h.numel() > 0
         and module() is not None
     )

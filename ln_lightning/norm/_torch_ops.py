@@ -103,7 +103,7 @@ def add_layer_norm_backward_impl(
 def _compiled_forward(x, residual, weight, bias, eps, rdt):
     if residual is not None and residual.dtype not in (x.dtype, torch.float32):
         residual = residual.float()  # bf16 + fp16 promotes to float32; the conversion is exact
-    f32 = lambda p: None if p is None else p.float()
+    f32 = lambda p: None if p is None else p.float().contiguous()
     y, h, mean, rstd = _cpu_kernels.module().add_layer_norm_fwd(
         x, residual, f32(weight), f32(bias), float(eps), rdt == torch.float32
     )
@@ -114,7 +114,7 @@ def _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_g
     need_w = need_weight_grad and weight is not None
     need_b = need_bias_grad and bias is not None
     dh, dw, db = _cpu_kernels.module().add_layer_norm_bwd(
-        dy, dresidual, h, mean, rstd, None if weight is None else weight.float(), need_w, need_b
+        dy, dresidual, h, mean, rstd, None if weight is None else weight.float().contiguous(), need_w, need_b
     )
     dw = dw.to(weight.dtype) if need_w else h.new_empty(0)
     db = db.to(bias.dtype) if need_b else h.new_empty(0)

@@ -23,6 +23,22 @@ PLAIN_LAYER_NORM_VIA_ATEN = True
 # backward) outweighs the activation-sized tensor it saves. Tests set it to 0 to cover both paths.
 EAGER_COMPOSITE_BELOW = 1 << 20
 
+# bfloat16 CPU calls with at least this many elements run the compiled kernels of `_cpu_kernels`
+# (plain LayerNorm too): from there on they beat aten's (1.1-1.4x forward+backward in
+# benchmarks/bench_norm.py) and keep float32 statistics; below it the custom autograd function's
+# fixed cost (~0.1 ms per forward + backward) is larger than what they save.
+COMPILED_CPU_FROM = 1 << 16
+
+
+def uses_compiled_cpu_kernels(x: Tensor) -> bool:
+    """Whether an eager torch-backend call on ``x`` runs the compiled CPU kernels."""
+    return (
+        x.dtype in _cpu_kernels.DTYPES
+        and x.device.type == "cpu"
+        and x.numel() >= COMPILED_CPU_FROM
+        and _cpu_kernels.module() is not None
+    )
+
 _triton_ops = None
 
 
@@ -138,12 +154,11 @@ def fused_add_layer_norm(
         name = _backend.resolve_backend(residual, _backend.canonical_backend(backend))
     stored = _common.stores_residual(x, residual, residual_in_fp32)
     if name == "torch":
-        if not stored and PLAIN_LAYER_NORM_VIA_ATEN:
+        compiling = torch.compiler.is_compiling()
+        compiled_cpu = not compiling and uses_compiled_cpu_kernels(x)
+        if not stored and PLAIN_LAYER_NORM_VIA_ATEN and not compiled_cpu:
             return F.layer_norm(x, shape, weight, bias, eps), x
-        small = x.numel() < EAGER_COMPOSITE_BELOW and not torch.compiler.is_compiling() and not _autocast_to_fp32(x)
-        # (bfloat16 on CPU skips the shortcut when the compiled kernels exist: they are faster at
-        # every size and keep float32 statistics, and a result's precision should not depend on size)
-        if small and not (x.dtype in _cpu_kernels.DTYPES and x.device.type == "cpu" and _cpu_kernels.module() is not None):
+        if not compiled_cpu and not compiling and x.numel() < EAGER_COMPOSITE_BELOW and not _autocast_to_fp32(x):
             return _composite_add_layer_norm(x, residual, weight, bias, eps, residual_in_fp32, shape)
     x2 = x.reshape(-1, hidden).contiguous()
     r2 = None if residual is None else residual.reshape(-1, hidden).contiguous()

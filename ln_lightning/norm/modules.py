@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -46,7 +47,11 @@ class FusedLayerNorm(nn.LayerNorm):
         # functional.PLAIN_LAYER_NORM_VIA_ATEN); skipping the generic wrapper keeps small calls
         # as cheap as nn.LayerNorm's.
         name = self.backend or _backend.requested_backend()
-        if (name == "torch" or name == "cpu" or (name == "auto" and not input.is_cuda)) and functional.PLAIN_LAYER_NORM_VIA_ATEN:
+        if (
+            (name == "torch" or name == "cpu" or (name == "auto" and not input.is_cuda))
+            and functional.PLAIN_LAYER_NORM_VIA_ATEN
+            and (torch.compiler.is_compiling() or not functional.uses_compiled_cpu_kernels(input))
+        ):
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         return fused_add_layer_norm(
             input, None, self.weight, self.bias, self.eps, normalized_shape=self.normalized_shape, backend=self.backend
