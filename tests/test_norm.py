@@ -171,6 +171,20 @@ def test_fused_layernorm_bf16_cpu_large_uses_compiled_kernels_small_is_exactly_a
         assert rel(outs["ours"][i], exact[i - 1]) <= rel(outs["aten"][i], exact[i - 1]) + 1e-6, name
 
 
+def test_compiled_cpu_kernels_reject_bad_layouts_instead_of_reading_past_them():
+    mod = _compiled_cpu_kernels()
+    x = torch.randn(4, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="residual must be a contiguous CPU tensor of shape"):
+        mod.add_layer_norm_fwd(x, torch.randn(8, 4).bfloat16().t(), None, None, 1e-5, False)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous float32 CPU tensor of 8"):
+        mod.add_layer_norm_fwd(x, None, torch.ones(8).bfloat16(), None, 1e-5, False)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        mod.add_layer_norm_fwd(x.float(), None, None, None, 1e-5, False)
+    y, h, mean, rstd = mod.add_layer_norm_fwd(x, x, None, None, 1e-5, False)
+    with pytest.raises(RuntimeError, match="mean and rstd must be contiguous float32 of 4"):
+        mod.add_layer_norm_bwd(y, None, h, mean[:2], rstd, None, False, False)
+
+
 def test_compiled_cpu_kernels_are_deterministic_across_thread_counts(monkeypatch):
     _compiled_cpu_kernels()
     monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)

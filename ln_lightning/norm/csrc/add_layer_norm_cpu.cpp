@@ -9,9 +9,10 @@
 // independent of the thread count). Statistics are float32, taken of (h - h[0]) per row so that
 // a constant row normalises to exact zeros and large offsets do not cancel.
 //
-// Layout contract (checked on the Python side): 2-D contiguous (rows, n) tensors; x and dy of
-// dtype T (bf16; fp32 is instantiated for the float32 stream); residual of T or float32; h and dresidual of T or float32; weight
-// and bias float32 or absent; mean/rstd float32 (rows,).
+// Layout contract (checked on the Python side, _cpu_kernels.usable_forward/usable_backward):
+// 2-D contiguous (rows, n) tensors, n >= 1; x and dy bfloat16; residual bfloat16 or float32; h and
+// dresidual bfloat16 or float32 (float32 when the stream is kept in float32); weight and bias
+// float32 or absent; mean/rstd float32 (rows,).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -167,13 +168,25 @@ void dispatch_reduced(at::ScalarType t, F&& f) {
   }
 }
 
+// H (the stream's dtype) is bfloat16 or float32.
 template <typename F>
-void dispatch(at::ScalarType t, F&& f) {
+void dispatch_stream(at::ScalarType t, F&& f) {
   switch (t) {
     case at::kFloat: f(float{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "ln_lightning CPU kernel: unsupported dtype ", t);
+    default: TORCH_CHECK(false, "ln_lightning CPU kernel: the residual stream must be bfloat16 or float32, got ", t);
   }
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.size(0) == rows && t.size(1) == n && t.is_contiguous(),
+              "ln_lightning CPU kernel: ", name, " must be a contiguous CPU tensor of shape (", rows, ", ", n, ")");
+}
+
+void check_vector(const c10::optional<at::Tensor>& t, const char* name, int64_t n) {
+  if (t.has_value())
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->numel() == n && t->is_contiguous(),
+                "ln_lightning CPU kernel: ", name, " must be a contiguous float32 CPU tensor of ", n, " elements");
 }
 
 template <typename T>
@@ -182,35 +195,37 @@ T* ptr(const at::Tensor& t) { return t.numel() ? t.data_ptr<T>() : nullptr; }
 template <typename T>
 const T* optional_ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<T>() : nullptr; }
 
+using BF16 = c10::BFloat16;
+
 }  // namespace
 
 // (y, h or an empty tensor when h is x itself, mean, rstd)
 std::vector<at::Tensor> add_layer_norm_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                            const c10::optional<at::Tensor>& weight,
                                            const c10::optional<at::Tensor>& bias, double eps, bool h_fp32) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "ln_lightning CPU kernel: x must be (rows, n) with n >= 1");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "ln_lightning CPU kernel: x must be bfloat16, got ", x.scalar_type());
   const int64_t rows = x.size(0), n = x.size(1);
+  check_rows(x, "x", rows, n);
+  if (residual.has_value()) check_rows(*residual, "residual", rows, n);
+  check_vector(weight, "weight", n);
+  check_vector(bias, "bias", n);
   auto y = at::empty_like(x);
-  const bool store = residual.has_value() || (h_fp32 && x.scalar_type() != at::kFloat);
-  const auto h_dtype = h_fp32 ? at::kFloat : x.scalar_type();
+  const bool store = residual.has_value() || h_fp32;
+  const auto h_dtype = h_fp32 ? at::kFloat : at::kBFloat16;
   auto h = store ? at::empty_like(x, x.options().dtype(h_dtype)) : at::empty({0}, x.options());
   auto mean = at::empty({rows}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
   const float* w = optional_ptr<float>(weight);
   const float* b = optional_ptr<float>(bias);
-  const auto r_dtype = residual.has_value() ? residual->scalar_type() : x.scalar_type();
-  dispatch(x.scalar_type(), [&](auto t_tag) {
-    using T = decltype(t_tag);
-    dispatch(r_dtype, [&](auto r_tag) {
-      using R = decltype(r_tag);
-      dispatch(h_dtype, [&](auto h_tag) {
-        using H = decltype(h_tag);
-        if constexpr ((std::is_same_v<R, T> || std::is_same_v<R, float>) && (std::is_same_v<H, T> || std::is_same_v<H, float>)) {
-          forward_rows<T, R, H>(x.data_ptr<T>(), optional_ptr<R>(residual), store ? ptr<H>(h) : nullptr, y.data_ptr<T>(),
-                                w, b, mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, n, static_cast<float>(eps));
-        } else {
-          TORCH_CHECK(false, "ln_lightning CPU kernel: unsupported dtype combination");
-        }
-      });
+  const auto r_dtype = residual.has_value() ? residual->scalar_type() : at::kBFloat16;
+  dispatch_stream(r_dtype, [&](auto r_tag) {
+    using R = decltype(r_tag);
+    dispatch_stream(h_dtype, [&](auto h_tag) {
+      using H = decltype(h_tag);
+      forward_rows<BF16, R, H>(x.data_ptr<BF16>(), optional_ptr<R>(residual), store ? ptr<H>(h) : nullptr,
+                               y.data_ptr<BF16>(), w, b, mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, n,
+                               static_cast<float>(eps));
     });
   });
   return {y, h, mean, rstd};
@@ -221,7 +236,19 @@ std::vector<at::Tensor> add_layer_norm_bwd(const at::Tensor& dy, const c10::opti
                                            const at::Tensor& h, const at::Tensor& mean, const at::Tensor& rstd,
                                            const c10::optional<at::Tensor>& weight, bool need_weight_grad,
                                            bool need_bias_grad) {
+  TORCH_CHECK(h.dim() == 2 && h.size(1) > 0, "ln_lightning CPU kernel: h must be (rows, n) with n >= 1");
+  TORCH_CHECK(dy.scalar_type() == at::kBFloat16, "ln_lightning CPU kernel: dy must be bfloat16, got ", dy.scalar_type());
   const int64_t rows = h.size(0), n = h.size(1);
+  check_rows(dy, "dy", rows, n);
+  check_rows(h, "h", rows, n);
+  if (dresidual.has_value()) {
+    check_rows(*dresidual, "dresidual", rows, n);
+    TORCH_CHECK(dresidual->scalar_type() == h.scalar_type(), "ln_lightning CPU kernel: dresidual must have h's dtype");
+  }
+  check_vector(weight, "weight", n);
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.numel() == rows &&
+                  rstd.numel() == rows && mean.is_contiguous() && rstd.is_contiguous(),
+              "ln_lightning CPU kernel: mean and rstd must be contiguous float32 of ", rows, " elements");
   auto dh = at::empty_like(h);
   // A fixed number of row blocks, not one per thread: the reduction order never depends on the
   // thread count.
@@ -230,18 +257,11 @@ std::vector<at::Tensor> add_layer_norm_bwd(const at::Tensor& dy, const c10::opti
   auto dw_part = need_weight_grad ? at::zeros({blocks, n}, opts) : at::empty({0}, opts);
   auto db_part = need_bias_grad ? at::zeros({blocks, n}, opts) : at::empty({0}, opts);
   const float* w = optional_ptr<float>(weight);
-  dispatch(dy.scalar_type(), [&](auto t_tag) {
-    using T = decltype(t_tag);
-    dispatch(h.scalar_type(), [&](auto h_tag) {
-      using H = decltype(h_tag);
-      if constexpr (std::is_same_v<H, T> || std::is_same_v<H, float>) {
-        backward_rows<T, H>(dy.data_ptr<T>(), h.data_ptr<H>(), optional_ptr<H>(dresidual), dh.data_ptr<H>(), w,
-                            mean.data_ptr<float>(), rstd.data_ptr<float>(), ptr<float>(dw_part), ptr<float>(db_part),
-                            blocks, rows, n);
-      } else {
-        TORCH_CHECK(false, "ln_lightning CPU kernel: unsupported dtype combination");
-      }
-    });
+  dispatch_stream(h.scalar_type(), [&](auto h_tag) {
+    using H = decltype(h_tag);
+    backward_rows<BF16, H>(dy.data_ptr<BF16>(), h.data_ptr<H>(), optional_ptr<H>(dresidual), dh.data_ptr<H>(), w,
+                           mean.data_ptr<float>(), rstd.data_ptr<float>(), ptr<float>(dw_part), ptr<float>(db_part),
+                           blocks, rows, n);
   });
   auto sum_blocks = [&](const at::Tensor& part) {
     if (!part.numel()) return part;
