@@ -250,6 +250,23 @@ def test_cpu_kernel_build_failure_warns_once_and_falls_back(monkeypatch):
     assert x.grad is not None
 
 
+def test_cpu_kernel_build_retries_without_openmp(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    calls = []
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags=(), verbose=False):
+        calls.append((name, list(extra_cflags)))
+        if "-fopenmp" in extra_cflags:
+            raise RuntimeError("clang: error: unsupported option '-fopenmp'")
+        return "serial module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert _cpu_kernels._build() == "serial module"
+    assert "-fopenmp" in calls[0][1] and "-fopenmp" not in calls[1][1]
+    assert calls[1][0] == calls[0][0] + "_serial"  # never the same cache entry as the OpenMP build
+
+
 def test_cpu_kernels_env_switch_disables_without_warning(monkeypatch):
     monkeypatch.setenv(_cpu_kernels.ENV_VAR, "0")
     monkeypatch.setattr(_cpu_kernels, "_state", "unloaded")

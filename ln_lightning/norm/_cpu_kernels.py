@@ -65,13 +65,14 @@ def _build():
             "ln_lightning: compiling the CPU fused LayerNorm kernels for %s (once per machine, about 30 s; "
             "set %s=0 to use aten's kernels instead)", cap, ENV_VAR,
         )
-    return load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-fopenmp", *_FLAGS.get(cap, [])],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    flags = ["-O3", *_FLAGS.get(cap, [])]
+    try:
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=[*flags, "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - e.g. Apple clang has no -fopenmp: build the serial kernels
+        _log.warning("ln_lightning: building the CPU kernels with OpenMP failed (%s); building them single-threaded",
+                     str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__)
+        return load(name=f"{name}_serial", sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
 
 
 def module() -> Any:
