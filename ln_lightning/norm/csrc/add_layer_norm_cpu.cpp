@@ -158,16 +158,6 @@ void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* _
   });
 }
 
-// float32, bfloat16 and float16 only: the Python side keeps float64 on aten's kernel.
-template <typename F>
-void dispatch_reduced(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "ln_lightning cpu kernel: unsupported dtype ", t);
-  }
-}
-
 // H (the stream's dtype) is bfloat16 or float32.
 template <typename F>
 void dispatch_stream(at::ScalarType t, F&& f) {
