@@ -28,7 +28,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from ln_lightning.demo.models import PostNormTransformerLM
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _helpers_dist import DestroyProcessGroupAtExit  # noqa: E402
+from ln_lightning.demo.models import PostNormTransformerLM  # noqa: E402
 
 VOCAB, D, LAYERS, HEADS, T = 16, 16, 3, 2, 8
 BLOCKS = [f"model.blocks.{i}" for i in range(LAYERS)]
@@ -270,6 +272,7 @@ def _trainer(out: str, name: str, **kw) -> L.Trainer:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     kw.setdefault("log_every_n_steps", 2)
+    kw["callbacks"] = [*kw.get("callbacks", []), DestroyProcessGroupAtExit()]
     return L.Trainer(
         logger=TensorBoardLogger(out, name=name, version=0),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _helpers_dist import DestroyProcessGroupAtExit  # noqa: E402
 from ln_lightning.demo.lightning import CharLM  # noqa: E402
 from ln_lightning.demo.models import PostNormBlock, PostNormTransformerLM  # noqa: E402
 from ln_lightning.plugin import MARKER, LNPlacement  # noqa: E402
@@ -262,7 +263,7 @@ def make_trainer(strategy_kw, out_dir: str, tag: str, max_steps: int, fused: boo
     ckpt = ModelCheckpoint(dirpath=os.path.join(out_dir, f"ckpt_{tag}"), save_last=True, every_n_train_steps=max_steps)
     return Trainer(
         plugins=[LNPlacement("pre", fused=fused)],
-        callbacks=[Recorder(out_dir, tag), ckpt],
+        callbacks=[Recorder(out_dir, tag), ckpt, DestroyProcessGroupAtExit()],
         max_steps=max_steps,
         limit_val_batches=2,
         num_sanity_val_steps=0,
