@@ -206,15 +206,17 @@ def test_compiled_cpu_kernels_are_deterministic_across_thread_counts(monkeypatch
 
 
 @pytest.mark.parametrize("residual_dtype", [torch.float16, torch.float32, torch.float64])
-def test_bf16_input_with_other_residual_dtypes(residual_dtype, eager_path):
+@pytest.mark.parametrize("residual_in_fp32", [False, True])
+def test_bf16_input_with_other_residual_dtypes(residual_dtype, residual_in_fp32, eager_path):
     # Forward and backward must pick the same kernel (their mean/rstd differ in meaning); the
-    # result equals the plain composition in the promoted dtype.
+    # result equals the plain composition in the stream's dtype (float32 with residual_in_fp32,
+    # the promoted dtype otherwise). The offset makes mismatched statistics show.
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(4, 40, generator=g).bfloat16()
+    x = (torch.randn(4, 40, generator=g) + 3).bfloat16()
     r = torch.randn(4, 40, generator=g).to(residual_dtype)
     w, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
     gy = torch.randn(4, 40, generator=g)
-    hdt = torch.promote_types(torch.bfloat16, residual_dtype)
+    hdt = torch.float32 if residual_in_fp32 else torch.promote_types(torch.bfloat16, residual_dtype)
     gh = torch.randn(4, 40, generator=g).to(hdt)
 
     def run(fn):
@@ -223,7 +225,7 @@ def test_bf16_input_with_other_residual_dtypes(residual_dtype, eager_path):
         assert h.dtype == hdt and y.dtype == torch.bfloat16
         return (y, h, *torch.autograd.grad([y, h], leaves, [gy.bfloat16(), gh]))
 
-    ours = run(lambda *a: fused_add_layer_norm(*a, backend="torch"))
+    ours = run(lambda *a: fused_add_layer_norm(*a, residual_in_fp32=residual_in_fp32, backend="torch"))
     ref = run(lambda x, r, w, b: ((F.layer_norm(x.to(hdt) + r.to(hdt), (40,), w.to(hdt), b.to(hdt))).bfloat16(), x.to(hdt) + r.to(hdt)))
     for a, e in zip(ours, ref):
         torch.testing.assert_close(a.double(), e.double(), rtol=2e-2, atol=2e-2)

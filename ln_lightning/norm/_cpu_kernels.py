@@ -104,14 +104,15 @@ def module() -> Any:
     return _module
 
 
-def usable_forward(x: torch.Tensor, residual: Optional[torch.Tensor], h_dtype: torch.dtype, y_fp32: bool) -> bool:
+def usable_forward(x: torch.Tensor, h_dtype: torch.dtype, y_fp32: bool) -> bool:
     """Whether the compiled forward takes these inputs; :func:`usable_backward` agrees on its outputs."""
     if x.device.type != "cpu" or x.dtype not in DTYPES or y_fp32 or x.numel() == 0:
         return False
+    # Decided on the stream's dtype alone, exactly as usable_backward decides: any residual whose
+    # stream is float32 (a float16 one promotes there, a float64 one with residual_in_fp32) is
+    # passed as float32, which is how residual_in_fp32 defines the sum.
     if h_dtype not in (x.dtype, torch.float32):
         return False
-    if residual is not None and residual.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return False  # (a float16 residual, which promotes to float32, is passed as float32: exact)
     return module() is not None
 
 

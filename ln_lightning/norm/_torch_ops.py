@@ -46,7 +46,7 @@ def add_layer_norm_impl(
     y_fp32: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rdt = _common.residual_dtype(x, residual, residual_in_fp32)
-    if _cpu_kernels.usable_forward(x, residual, rdt, y_fp32):
+    if _cpu_kernels.usable_forward(x, rdt, y_fp32):
         return _compiled_forward(x, residual, weight, bias, eps, rdt)
     if residual is None:
         h = x.to(rdt)
@@ -102,12 +102,13 @@ def add_layer_norm_backward_impl(
 
 def _compiled_forward(x, residual, weight, bias, eps, rdt):
     if residual is not None and residual.dtype not in (x.dtype, torch.float32):
-        residual = residual.float()  # bf16 + fp16 promotes to float32; the conversion is exact
+        # The stream is float32 here: float16 + bfloat16 promotes to it (exactly), and a float64
+        # residual under residual_in_fp32 is summed in float32 as that option defines.
+        residual = residual.float()
     f32 = lambda p: None if p is None else p.float().contiguous()
-    y, h, mean, rstd = _cpu_kernels.module().add_layer_norm_fwd(
+    return tuple(_cpu_kernels.module().add_layer_norm_fwd(
         x, residual, f32(weight), f32(bias), float(eps), rdt == torch.float32
-    )
-    return y, h, mean, rstd
+    ))
 
 
 def _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad):
