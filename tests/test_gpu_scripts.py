@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(args, tmp_path, **env):
+def _run(args, **env):
     proc = subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, **env},
@@ -26,7 +26,7 @@ def test_gpu_norm_check_smoke(tmp_path):
     # Same flow as on the GPU (compile check, Triton numerics, determinism, row independence) on
     # CPU under the Triton interpreter with tiny shapes; the timing part needs CUDA and is skipped.
     out = tmp_path / "smoke.json"
-    stdout = _run(["benchmarks/gpu_norm_check.py", "--smoke", "--out", str(out)], tmp_path, TRITON_INTERPRET="1")
+    stdout = _run(["benchmarks/gpu_norm_check.py", "--smoke", "--out", str(out)], TRITON_INTERPRET="1")
     assert "[FAIL]" not in stdout
     record = json.loads(out.read_text())
     assert len(record["checks"]) >= 4 and all(c["pass"] for c in record["checks"].values()), record["checks"]
@@ -34,7 +34,7 @@ def test_gpu_norm_check_smoke(tmp_path):
 
 
 def test_gpu_plugin_check_cpu_dry_run(tmp_path):
-    stdout = _run(["benchmarks/gpu_plugin_check.py", "--cpu-dry-run", str(tmp_path)], tmp_path)
+    stdout = _run(["benchmarks/gpu_plugin_check.py", "--cpu-dry-run", str(tmp_path)])
     summary = json.loads(stdout[stdout.rindex("{"):])
     assert summary["failed"] == 0 and summary["checks"] > 0, summary
 

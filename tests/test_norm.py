@@ -81,6 +81,17 @@ def _compiled_cpu_kernels():
 
 
 @pytest.fixture
+def compiled_backward_calls(monkeypatch):
+    """The compiled kernels, built (or the test skipped), and a list that grows by one per
+    compiled backward pass: proof that a test's computation actually ran on them."""
+    _compiled_cpu_kernels()
+    calls = []
+    real = _torch_ops._compiled_backward
+    monkeypatch.setattr(_torch_ops, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.fixture
 def aten_kernels(monkeypatch):
     """Run the torch backend on aten's kernels only (as when the compiled kernels can't build)."""
     monkeypatch.setattr(_cpu_kernels, "_state", "disabled")
@@ -93,15 +104,11 @@ def aten_kernels(monkeypatch):
     Case(2, 300, torch.bfloat16, False, "none", 0.0, 1, True, 14),  # float32 stream from None
     Case(5, 33, torch.bfloat16, False, "full", 3.0, 0, False, 15),  # plain, through the op
 ])
-def test_compiled_cpu_kernels_within_torch_error_and_exact_on_constant_rows(case, monkeypatch):
-    _compiled_cpu_kernels()
-    calls = []
-    real = _torch_ops._compiled_backward
-    monkeypatch.setattr(_torch_ops, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
+def test_compiled_cpu_kernels_within_torch_error_and_exact_on_constant_rows(case, compiled_backward_calls, monkeypatch):
     monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
     monkeypatch.setattr(functional, "PLAIN_LAYER_NORM_VIA_ATEN", False)
     assert_within_torch_error(case, backend="torch", exact_constant_rows=True)
-    assert calls, "the compiled kernels were not used"
+    assert compiled_backward_calls, "the compiled kernels were not used"
 
 
 @pytest.mark.parametrize("case", [
@@ -140,11 +147,7 @@ def test_compiled_cpu_kernels_weight_gradient_is_float32_accurate(monkeypatch):
     assert errors["dweight"][0] < errors["dweight"][1] / 4 and errors["dbias"][0] < errors["dbias"][1] / 4, errors
 
 
-def test_fused_layernorm_bf16_cpu_large_uses_compiled_kernels_small_is_exactly_aten(monkeypatch):
-    _compiled_cpu_kernels()
-    calls = []
-    real = _torch_ops._compiled_backward
-    monkeypatch.setattr(_torch_ops, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
+def test_fused_layernorm_bf16_cpu_large_uses_compiled_kernels_small_is_exactly_aten(compiled_backward_calls):
     ref = nn.LayerNorm(256, dtype=torch.bfloat16)
     with torch.no_grad():
         ref.weight.normal_()
@@ -160,7 +163,7 @@ def test_fused_layernorm_bf16_cpu_large_uses_compiled_kernels_small_is_exactly_a
         xx = big.clone().requires_grad_()
         y = mod(xx)
         outs[name] = (y, *torch.autograd.grad([y], [xx, ref.weight, ref.bias], [gy]))
-    assert calls, "FusedLayerNorm did not run the compiled kernels"
+    assert compiled_backward_calls, "FusedLayerNorm did not run the compiled kernels"
     # Forward: the same function; at most 1 bfloat16 ulp apart (different float32 summation order).
     torch.testing.assert_close(outs["ours"][0], outs["aten"][0], rtol=2**-7, atol=2**-7)
     xd = big.double().requires_grad_()
