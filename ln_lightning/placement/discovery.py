@@ -42,6 +42,7 @@ class Stack:
     final_norm: str | None = None
     final_known: bool = True
     final_detail: str = ""
+    continues_into: str | None = None  # a block that takes this stack's output as its stream
 
 
 @dataclass
@@ -157,6 +158,34 @@ def _observed_handler(block: nn.Module, path: str, rec: Recording, call) -> Hook
     return HookedHandler(block, path, subs, "observed forward")
 
 
+def _refuse_second_stream(rec: Recording, call) -> None:
+    """A block that also gets an earlier version of its stream (Funnel's pooling layer reads the
+    unpooled stream as key and value) would need that normalised as well: refuse it.
+
+    The stream's lineage is what it was computed from by functions alone (pooling, a cast, a norm),
+    back to the last residual add: a cross-attention's memory or a mask is not in it."""
+    from ln_lightning.placement.analysis import stream_input
+
+    s = stream_input(call)
+    if s is None:
+        return
+    lineage, todo = set(), [s]
+    while todo:
+        p = rec.values[todo.pop()].producer
+        if p is None or rec.events[p].is_add:
+            continue
+        for _, i in rec.events[p].inputs:
+            if i not in lineage and not isinstance(rec.values[i].tensor, nn.Parameter):
+                lineage.add(i)
+                todo.append(i)
+    for where, v in call.inputs:
+        if v != s and v in lineage:
+            raise Unrecognised(
+                f"it receives an earlier version of the residual stream as a second input ({where[0]} {where[1]!r}) "
+                "besides the stream itself; a pre-norm rewrite would have to normalise both"
+            )
+
+
 def _registered_handler(block: nn.Module, path: str, decl) -> HookedHandler:
     subs = []
     for d in decl:
@@ -185,6 +214,7 @@ def _handler(block: nn.Module, path: str, run: ModelRun | None) -> Handler:
         calls = run.rec.module_calls(block)
         if not calls:
             raise Unrecognised("the model's forward did not call it on the example input")
+        _refuse_second_stream(run.rec, calls[0])
         return _observed_handler(block, path, run.rec, calls[0])
     args, kwargs = synthetic_probe(block, _stream_dim(block))
     try:

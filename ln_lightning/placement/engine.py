@@ -9,6 +9,7 @@ model back exactly as it was when anything fails. This file runs them in order a
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -284,7 +285,10 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
     if reason:
         change.status, change.reason = "skipped", reason
         return change
-    args, kwargs = captured if captured is not None else h.probe_args(synthetic_probe(h.block, h.stream_dim())[0][0])
+    probe = captured if captured is not None else h.probe_args(synthetic_probe(h.block, h.stream_dim())[0][0])
+    # A fresh copy for every run: a KV cache among the arguments is written by each call.
+    fresh = lambda: copy.deepcopy(probe)  # noqa: E731
+    args, kwargs = fresh()
     try:
         with eval_no_grad(h.block):
             y_before = _first_tensor(h.block(*args, **kwargs))
@@ -301,7 +305,7 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
         return change
     try:
         with eval_no_grad(h.block):
-            err, y_after = h.check(args, kwargs, placement)
+            err, y_after = h.check(*fresh(), placement)
         tol = tolerance(args[0].dtype if args and isinstance(args[0], torch.Tensor) else torch.float32)
         if not (err <= tol):
             raise CheckFailed(f"output differs from the {placement}-norm formula by {err:.2e} (relative; tolerance {tol:.0e})")
@@ -325,6 +329,12 @@ def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict
             report.notes.append(f"stack {stack.path}: not every block is pre-norm now (see the skipped blocks), so no final norm was added")
         return
     if stack.final_norm is not None:
+        return
+    if stack.continues_into is not None:
+        report.notes.append(
+            f"stack {stack.path}: final norm not added: its output is the stream of {stack.continues_into}, so the residual "
+            "stream goes on there; a final norm belongs after the last block of the whole chain"
+        )
         return
     if not stack.final_known:
         msg = f"stack {stack.path}: could not tell whether it has a final norm, so none was added: {stack.final_detail}"

@@ -77,7 +77,7 @@ def detect(model: nn.Module, stack: Stack, found: Found) -> None:
         stack.final_norm = join(owner_path, "norm") if owner.norm is not None else None
         return
     if found.observation is not None:
-        _detect_observed(stack, found)
+        _detect_observed(model, stack, found)
         return
     if stack.path == "" and not isinstance(stack.container, CONTAINERS):
         stack.final_norm, stack.final_known, stack.final_detail = None, False, "the model is a single block"
@@ -90,7 +90,9 @@ def last_call(stack: Stack, found: Found):
     return calls[-1] if calls else None
 
 
-def _detect_observed(stack: Stack, found: Found) -> None:
+def _detect_observed(model: nn.Module, stack: Stack, found: Found) -> None:
+    from ln_lightning.placement.analysis import stream_input
+
     rec = found.observation.rec
     last = last_call(stack, found)
     if last is None:
@@ -98,9 +100,19 @@ def _detect_observed(stack: Stack, found: Found) -> None:
         return
     v = stream_output(last)
     stack.final_norm = None
+    # Where another block takes this stream as its own, the residual stream goes on: it is not the end.
+    blocks = [h.block for h in found.handlers] + [model.get_submodule(u.path) for u in found.unrecognised]
+    stream_inputs = {}
+    for b in blocks:
+        for c in rec.module_calls(b):
+            if c.index > last.end:
+                stream_inputs.setdefault(stream_input(c), rec.paths[id(b)])
     todo, seen = [v], {v}
     while todo:
         x = todo.pop(0)
+        if x in stream_inputs:
+            stack.continues_into = stream_inputs[x]
+            return
         for r in rec.values[x].readers:
             e = rec.events[r]
             if e.index <= last.end:
