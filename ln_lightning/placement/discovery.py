@@ -57,6 +57,18 @@ class Found:
 
 
 @dataclass
+class Example:
+    """An input to run the model on: `value` for the module at `path` ("" is the model itself)."""
+
+    value: Any
+    path: str = ""
+    made_up: bool = False
+
+    def run(self, model: nn.Module):
+        return run_model(model.get_submodule(self.path) if self.path else model, self.value)
+
+
+@dataclass
 class ModelRun:
     """One recorded forward of the whole model (original function: our hooks bypassed)."""
 
@@ -78,18 +90,19 @@ def run_model(model: nn.Module, example: Any):
     return model(example)
 
 
-def observe_model(model: nn.Module, example: Any) -> ModelRun:
+def observe_model(model: nn.Module, example: Example) -> ModelRun:
     """Run the model once on `example` (eval, no grad, our hooks bypassed), recording everything."""
     inputs: dict = {}
+    target = model.get_submodule(example.path) if example.path else model
 
     def capture(mod, args, kwargs):
         if id(mod) not in inputs:
             inputs[id(mod)] = (tuple(args), dict(kwargs))
 
-    handles = [m.register_forward_pre_hook(capture, with_kwargs=True, prepend=True) for m in model.modules()]
+    handles = [m.register_forward_pre_hook(capture, with_kwargs=True, prepend=True) for m in target.modules()]
     try:
-        with eval_no_grad(model), hooks.bypass(), record(model) as rec:
-            out = run_model(model, example)
+        with eval_no_grad(model), hooks.bypass(), record(target, example.path) as rec:
+            out = run_model(target, example.value)
     finally:
         for h in handles:
             h.remove()
@@ -228,7 +241,7 @@ def _handler(block: nn.Module, path: str, run: ModelRun | None) -> Handler:
     return _observed_handler(block, path, rec, rec.events[0])
 
 
-def discover(model: nn.Module, example: Any = None) -> Found:
+def discover(model: nn.Module, example: Example | None = None) -> Found:
     """Every stack of residual blocks. A child of a container that holds a norm is tried as a block
     (outermost first: a T5Block is one block, not its two sublayer modules); if it is not one,
     its children are searched, and the reason is reported when nothing inside is a block either."""

@@ -19,7 +19,7 @@ from ln_lightning.placement import final_norm as fn
 from ln_lightning.placement import hooks
 from ln_lightning.placement.blocks import Handler, ScaleFactory
 from ln_lightning.placement.checks import CheckFailed, relative_error, tolerance
-from ln_lightning.placement.discovery import Found, Stack, discover, eval_no_grad, run_model, synthetic_probe
+from ln_lightning.placement.discovery import CONTAINERS, Example, Found, Stack, discover, eval_no_grad, run_model, synthetic_probe
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.norms import norm_types
 from ln_lightning.placement.options import _validate
@@ -47,18 +47,43 @@ def _check_model(model: Any, fn_name: str) -> None:
         raise PlacementError(f"{fn_name}() expects a torch.nn.Module, got {type(model).__name__}; pass the model (or LightningModule) itself")
 
 
-def example_of(model: nn.Module, example_input: Any) -> Any:
-    """The input convert runs the model on: the argument, `example_input_array`, or HF's dummy inputs."""
+def example_of(model: nn.Module, example_input: Any) -> Example | None:
+    """The input convert runs the model on: the argument, `example_input_array`, a Hugging Face
+    model's `dummy_inputs`, or made-up token ids (see `made_up_example`)."""
     if example_input is not None:
-        return example_input
+        return Example(example_input)
     ex = getattr(model, "example_input_array", None)
     if ex is not None:
-        return ex
-    if type(model).__module__.startswith("transformers.") and hasattr(type(model), "dummy_inputs"):
+        return Example(ex)
+    for path, m in model.named_modules():
+        if type(m).__module__.startswith("transformers.") and hasattr(type(m), "dummy_inputs"):
+            try:
+                return Example(m.dummy_inputs, path)
+            except Exception:  # noqa: BLE001 - some families have none
+                break
+    return made_up_example(model)
+
+
+def made_up_example(model: nn.Module) -> Example | None:
+    """Token ids for the model (or its outermost submodule that takes them), if it runs on them.
+
+    How often a block runs, and which module reads a stack's output, can only be seen in a forward;
+    without an input of the user's, a model that embeds token ids can still be run on made-up ones.
+    """
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return None
+    n = min(m.num_embeddings for m in embeddings)
+    ids = torch.randint(0, n, (2, 8), generator=torch.Generator().manual_seed(0)).to(embeddings[0].weight.device)
+    for path, m in model.named_modules():
+        if not any(e is x for x in m.modules() for e in embeddings) or isinstance(m, (nn.Embedding, *CONTAINERS)):
+            continue
         try:
-            return model.dummy_inputs
-        except Exception:  # noqa: BLE001 - some families have none; then blocks get probes
-            return None
+            with eval_no_grad(model), hooks.bypass():
+                run_model(m, ids)
+        except Exception:  # noqa: BLE001 - it does not take token ids alone; try the next one down
+            continue
+        return Example(ids, path, made_up=True)
     return None
 
 
@@ -91,7 +116,7 @@ def _shared_norms(handlers: list[Handler]) -> dict[str, str]:
     return out
 
 
-def _discover(model: nn.Module, example: Any) -> Found:
+def _discover(model: nn.Module, example: Example | None) -> Found:
     try:
         return discover(model, example)
     except Exception as e:
@@ -215,6 +240,9 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     report = ConversionReport(model=type(model).__name__, placement=placement, options=options)
     example = example_of(model, example_input)
     found = _discover(model, example)
+    if example is not None and example.made_up:
+        where = f"its submodule {example.path}" if example.path else "the model"
+        report.notes.append(f"read from one forward of {where} on made-up token ids; pass example_input= to read it with your inputs")
     for u in found.unrecognised:
         report.notes.append(f"{u.path} ({u.kind}) looks like a block but was not recognised: {u.reason}")
         if strict:
@@ -252,7 +280,7 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     if found.observation is not None and report.changed:
         _check_final_norms(model, found, example, report)
         with eval_no_grad(model):
-            after = _first_tensor(run_model(model, example))
+            after = _first_tensor(example.run(model))
         report.output_change = relative_error(after, model_before) if model_before is not None else None
         report.output_change_scope = "model"
     elif report.changed:
@@ -356,14 +384,14 @@ def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict
         report.notes.append(f"stack {stack.path} was already pre-norm; added its missing final norm {path}")
 
 
-def _check_final_norms(model: nn.Module, found: Found, example: Any, report: ConversionReport) -> None:
+def _check_final_norms(model: nn.Module, found: Found, example: Example, report: ConversionReport) -> None:
     """Each added final norm ran exactly once in a forward, on its stack's final stream."""
     added = [(s, fn.added_norm(model, s)) for s in found.stacks]
     added = [(s, a) for s, a in added if a is not None and a[0] in report.added]
     if not added:
         return
     with eval_no_grad(model), record(model) as rec:
-        run_model(model, example)
+        example.run(model)
     for stack, (path, norm) in added:
         n = len(rec.module_calls(norm))
         if n != 1:

@@ -132,17 +132,29 @@ def _detect_observed(model: nn.Module, stack: Stack, found: Found) -> None:
                     todo.append(o)
 
 
+def traced_owner(model: nn.Module, stack: Stack):
+    """The fx graph of the module holding the stack's container (children as leaves), or None."""
+    owner, _ = _owner(model, stack)
+    if owner is None:
+        return None
+    try:
+        return _LeafTracer().trace(owner)
+    except Exception:  # noqa: BLE001 - most real code is not traceable
+        return None
+
+
+def _rel_to_owner(path: str, owner_path: str) -> str:
+    return path[len(owner_path) + 1:] if owner_path else path
+
+
 def _detect_traced(model: nn.Module, stack: Stack, found: Found) -> None:
     owner, owner_path = _owner(model, stack)
     block_ids = _block_module_ids(found)
     types = norm_types()
     if owner is not None:
-        last_name = stack.handlers[-1].path[len(owner_path) + 1:] if owner_path else stack.handlers[-1].path
-        container_name = stack.path[len(owner_path) + 1:] if owner_path else stack.path
-        try:
-            graph = _LeafTracer().trace(owner)
-        except Exception:  # noqa: BLE001 - most real code is not traceable; fall through
-            graph = None
+        last_name = _rel_to_owner(stack.handlers[-1].path, owner_path)
+        container_name = _rel_to_owner(stack.path, owner_path)
+        graph = traced_owner(model, stack)
         if graph is not None:
             nodes = [n for n in graph.nodes if n.op == "call_module" and n.target in (last_name, container_name)]
             if nodes:
@@ -221,10 +233,31 @@ def add(model: nn.Module, stack: Stack, found: Found) -> str:
         if len(calls) > 1:
             hook_target, hook = _exit_hook(model, stack, found, norm)
             last.register_forward_hook(hook.tap)
+    else:
+        runs = _traced_runs(model, stack)
+        if runs != 1:
+            why = "could not be read" if runs is None else f"calls its last block {runs} times"
+            raise NotAdded(
+                f"without an example input, the forward around the stack {why}, so a norm after its last block might not "
+                "run exactly once per forward; pass example_input= so convert can see how the stack is used"
+            )
     setattr(norm, MARKER, stack.path)
     holder.add_module(name, norm)
     hook_target.register_forward_hook(hook)
     return join(holder_path, name)
+
+
+def _traced_runs(model: nn.Module, stack: Stack) -> int | None:
+    owner, owner_path = _owner(model, stack)
+    if isinstance(owner, CONTAINERS):
+        return 1 if isinstance(owner, nn.Sequential) else None  # a Sequential runs each child once
+    graph = traced_owner(model, stack)
+    if graph is None:
+        return None
+    last = _rel_to_owner(stack.handlers[-1].path, owner_path)
+    if isinstance(stack.container, nn.Sequential):  # called as one module, which runs each block once
+        last = _rel_to_owner(stack.path, owner_path)
+    return sum(1 for n in graph.nodes if n.op == "call_module" and n.target == last)
 
 
 def _exit_hook(model: nn.Module, stack: Stack, found: Found, norm: nn.Module):
@@ -275,6 +308,19 @@ def outside_uses(model: nn.Module, found: Found) -> dict[str, str]:
     """block path -> reason, for blocks whose norm is also called outside the block's own calls."""
     out: dict[str, str] = {}
     if found.observation is None:
+        for stack in found.stacks:
+            graph = traced_owner(model, stack)
+            if graph is None:
+                continue
+            _, owner_path = _owner(model, stack)
+            for h in stack.handlers:
+                inner = _rel_to_owner(h.path, owner_path) + "."
+                for n in graph.nodes:
+                    if n.op == "call_module" and str(n.target).startswith(inner) and isinstance(model.get_submodule(join(owner_path, n.target)), norm_types()):
+                        out[h.path] = (
+                            f"its norm {join(owner_path, n.target)} is also called outside the block (for example as the model's "
+                            "final norm); moving it into the branch would change that call too: give the model its own final norm module"
+                        )
         return out
     rec = found.observation.rec
     types = norm_types()
