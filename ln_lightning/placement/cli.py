@@ -1,4 +1,8 @@
-"""`ln-lightning inspect MODULE:FACTORY` and `ln-lightning demo`."""
+"""`ln-lightning inspect MODULE:FACTORY` and `ln-lightning demo`.
+
+A bad model or option is reported in one line on stderr with exit code 2, never a traceback
+(set LN_LIGHTNING_TRACEBACK=1 to see one when reporting a bug).
+"""
 
 from __future__ import annotations
 
@@ -6,45 +10,87 @@ import argparse
 import copy
 import importlib
 import json
+import os
 import sys
+
+
+class CliError(Exception):
+    """A problem with what the user asked for: one line, exit code 2."""
 
 
 def _load_factory(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise SystemExit(f"ln-lightning inspect: expected MODULE:FACTORY (e.g. mypkg.models:build_model), got {spec!r}")
+        raise CliError(f"expected MODULE:FACTORY (e.g. mypkg.models:build_model), got {spec!r}")
     sys.path.insert(0, ".")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise SystemExit(f"ln-lightning inspect: cannot import {module_name!r}: {e}") from None
+        raise CliError(f"cannot import {module_name!r}: {e}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise SystemExit(f"ln-lightning inspect: {module_name!r} has no attribute {attr!r}")
+            raise CliError(f"{module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    return obj() if callable(obj) and not hasattr(obj, "named_modules") else obj
+    if callable(obj) and not hasattr(obj, "named_modules"):
+        try:
+            obj = obj()
+        except Exception as e:  # noqa: BLE001 - the user's factory failed: say so in one line
+            raise CliError(f"{spec}() raised {type(e).__name__}: {e}") from None
+    from torch import nn
+
+    if not isinstance(obj, nn.Module):
+        raise CliError(f"{spec} is not an nn.Module (got {type(obj).__name__}); give a factory that returns the model")
+    return obj
+
+
+def _branch_scale(value: str | None):
+    if value in (None, "None", "none"):
+        return None
+    if value in ("depth", "layerscale"):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise CliError(f"--branch-scale {value!r} is not valid; use None, a positive float, 'depth' or 'layerscale'") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and exits 2; keep it to one line
+        raise CliError(message)
 
 
 def main(argv: list[str]) -> int:
+    try:
+        return _main(argv)
+    except CliError as e:
+        print(f"ln-lightning {argv[0] if argv else 'inspect'}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a model we can't read is the user's problem to see, in one line
+        if os.environ.get("LN_LIGHTNING_TRACEBACK"):
+            raise
+        msg = " ".join(str(e).split())
+        print(f"ln-lightning {argv[0] if argv else 'inspect'}: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     from ln_lightning.placement import convert, inspect_model
 
     if argv[0] == "demo":
         return _demo(argv[1:])
-    p = argparse.ArgumentParser(prog="ln-lightning inspect", description="Print a model's residual stacks and LayerNorm placement.")
+    p = _Parser(prog="ln-lightning inspect", description="Print a model's residual stacks and norm placement.")
     p.add_argument("factory", help="MODULE:FACTORY, a callable returning the model (or a module attribute holding it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--placement", choices=["pre", "post"], help="also show what convert(placement=...) would change (on a copy)")
     p.add_argument("--branch-scale", default=None, help="with --placement: None, a float, 'depth' or 'layerscale'")
     p.add_argument("--no-final-norm", action="store_true", help="with --placement: don't add final norms")
     args = p.parse_args(argv[1:])
+    scale = _branch_scale(args.branch_scale)
     model = _load_factory(args.factory)
     report = inspect_model(model)
     conversion = None
     if args.placement:
-        scale = args.branch_scale
-        if scale not in (None, "depth", "layerscale"):
-            scale = float(scale)
         conversion = convert(copy.deepcopy(model), args.placement, final_norm=not args.no_final_norm, branch_scale=scale)
     if args.json:
         out = {"inspect": report.to_dict()}

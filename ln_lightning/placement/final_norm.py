@@ -228,10 +228,12 @@ def add(model: nn.Module, stack: Stack, found: Found) -> str:
         raise NotAdded(f"{join(holder_path, name)} already exists")
     last = stack.handlers[-1].block
     hook_target, hook = last, hooks.ApplyFinalNorm(norm)
+    pre_hook = False
     if found.observation is not None:
         calls = found.observation.rec.module_calls(last)
         if len(calls) > 1:
             hook_target, hook = _exit_hook(model, stack, found, norm)
+            pre_hook = isinstance(hook, hooks.ApplyFinalNormAtConsumer)
             last.register_forward_hook(hook.tap)
     else:
         runs = _traced_runs(model, stack)
@@ -243,7 +245,10 @@ def add(model: nn.Module, stack: Stack, found: Found) -> str:
             )
     setattr(norm, MARKER, stack.path)
     holder.add_module(name, norm)
-    hook_target.register_forward_hook(hook)
+    if pre_hook:
+        hook_target.register_forward_pre_hook(hook, with_kwargs=True)
+    else:
+        hook_target.register_forward_hook(hook)
     return join(holder_path, name)
 
 
@@ -274,6 +279,12 @@ def _exit_hook(model: nn.Module, stack: Stack, found: Found, norm: nn.Module):
         if len(rec.module_calls(e.module)) != 1:
             break
         return e.module, hooks.ApplyFinalNormAtExit(norm, hooks.TapStream(), stack.path)
+    # Or the one module that reads the final stream after the last run, called once (a head).
+    readers = [rec.events[r] for r in rec.values[v].readers if rec.events[r].index > last.end]
+    modules = [e for e in readers if e.kind == "module" and not any(f > last.end for f in e.frames)]
+    if len(modules) == 1 and len(readers) == len([e for e in readers if e is modules[0] or modules[0].index in e.frames]):
+        if len(rec.module_calls(modules[0].module)) == 1:
+            return modules[0].module, hooks.ApplyFinalNormAtConsumer(norm, hooks.TapStream(), stack.path)
     raise NotAdded(
         f"its last block {stack.handlers[-1].path} runs {len(calls)} times per forward and no module returns its final "
         "stream once, so there is no place where a final norm would run exactly once"
@@ -292,9 +303,11 @@ def remove(model: nn.Module, stack: Stack) -> str | None:
     path, norm = added
     for m in model.modules():
         for d in (m._forward_hooks,):
-            for key in [k for k, h in d.items() if isinstance(h, (hooks.ApplyFinalNorm, hooks.ApplyFinalNormAtExit)) and h.norm is norm]:
-                hook = d.pop(key)
-                if isinstance(hook, hooks.ApplyFinalNormAtExit):
+            for key in [k for k, h in list(d.items()) + list(m._forward_pre_hooks.items())
+                        if isinstance(h, (hooks.ApplyFinalNorm, hooks.ApplyFinalNormAtExit, hooks.ApplyFinalNormAtConsumer)) and h.norm is norm]:
+                hook = d.pop(key, None) or m._forward_pre_hooks.pop(key)
+                m._forward_pre_hooks_with_kwargs.pop(key, None)
+                if isinstance(hook, (hooks.ApplyFinalNormAtExit, hooks.ApplyFinalNormAtConsumer)):
                     for mm in model.modules():
                         for k2 in [k for k, h in mm._forward_hooks.items() if h is hook.tap]:
                             del mm._forward_hooks[k2]

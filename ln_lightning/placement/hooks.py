@@ -330,7 +330,35 @@ class ApplyFinalNormAtExit:
         return out
 
 
-OUR_HOOK_TYPES = (NormalizeBranchInput, ScaleBranchOutput, ApplyFinalNorm, TapStream, ApplyFinalNormAtExit)
+class ApplyFinalNormAtConsumer:
+    """Forward pre-hook on the module that reads a shared stack's final stream (a head): the final norm
+    is applied to that argument, once, after the shared last block's last run."""
+
+    def __init__(self, norm: nn.Module, tap: TapStream, stack: str):
+        self.norm = norm
+        self.tap = tap
+        self.stack = stack
+
+    def __call__(self, module, args, kwargs):
+        if _bypassed():
+            return None
+        s, self.tap.value = self.tap.value, None
+        if s is None:
+            return None
+        hit = [i for i, a in enumerate(args) if a is s] + [k for k, v in kwargs.items() if v is s]
+        if not hit:
+            raise RuntimeError(
+                f"ln_lightning: the final norm of stack {self.stack} could not be applied: {type(module).__name__} did not "
+                "receive the stack's output in this forward as it did when the model was converted. Convert with an "
+                "example_input that takes the same path, or convert with final_norm=False."
+            )
+        y = self.norm(s)
+        args = tuple(y if a is s else a for a in args)
+        kwargs = {k: (y if v is s else v) for k, v in kwargs.items()}
+        return args, kwargs
+
+
+OUR_HOOK_TYPES = (NormalizeBranchInput, ScaleBranchOutput, ApplyFinalNorm, TapStream, ApplyFinalNormAtExit, ApplyFinalNormAtConsumer)
 
 
 def remove_our_hooks(module: nn.Module, kind: type) -> int:
