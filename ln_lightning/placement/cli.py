@@ -32,12 +32,13 @@ def _load_factory(spec: str):
         if not hasattr(obj, part):
             raise CliError(f"{module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if callable(obj) and not hasattr(obj, "named_modules"):
+    from torch import nn
+
+    if callable(obj) and not isinstance(obj, nn.Module):  # a factory function or a model class
         try:
             obj = obj()
         except Exception as e:  # noqa: BLE001 - the user's factory failed: say so in one line
             raise CliError(f"{spec}() raised {type(e).__name__}: {e}") from None
-    from torch import nn
 
     if not isinstance(obj, nn.Module):
         raise CliError(f"{spec} is not an nn.Module (got {type(obj).__name__}); give a factory that returns the model")
