@@ -358,8 +358,9 @@ def write_markdown(res: dict, out: Path, argv: list[str], elapsed: float) -> str
 
 
 def plot(runs: list[dict], res: dict, out: Path) -> None:
-    import matplotlib
+    from ln_lightning._extras import require
 
+    matplotlib = require("matplotlib", "plot", "depth_scaling.py's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

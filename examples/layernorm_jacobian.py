@@ -150,8 +150,9 @@ def part2(out: Path, steps: int, width: int = 64) -> dict:
 
 
 def plot(rows: list[dict], out: Path, mon: dict | None = None) -> None:
-    import matplotlib
+    from ln_lightning._extras import require
 
+    matplotlib = require("matplotlib", "plot", "layernorm_jacobian.py's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -249,8 +249,9 @@ def read_monitors(log_dir: str) -> dict:
 
 
 def plot_stream(kind: str, mon: dict, out: Path) -> None:
-    import matplotlib
+    from ln_lightning._extras import require
 
+    matplotlib = require("matplotlib", "plot", "migrate_post_norm.py's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

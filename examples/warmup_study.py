@@ -229,8 +229,9 @@ def write_markdown(rows: list[dict], hp: dict, out: Path, argv: list[str], elaps
 
 
 def plot(rows: list[dict], all_series: dict, out: Path) -> None:
-    import matplotlib
+    from ln_lightning._extras import require
 
+    matplotlib = require("matplotlib", "plot", "warmup_study.py's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

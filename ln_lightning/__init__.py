@@ -5,13 +5,16 @@
     Trainer(plugins=[LNPlacement("pre")]).fit(model)
 
 The names below load lazily, so `import ln_lightning` stays cheap (no Lightning, no Triton)
-for users who only want `inspect_model` / `convert`.
+for users who only want `inspect_model` / `convert`. Type checkers and IDEs see them through the
+`TYPE_CHECKING` imports below, which mirror `_EXPORTS` (tests/test_packaging.py keeps the two equal).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
+# The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]).
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -37,12 +40,52 @@ _EXPORTS = {
     "StreamNormMonitor": "ln_lightning.callbacks",
     "LayerNormInputMonitor": "ln_lightning.callbacks",
     "ClipAttributionMonitor": "ln_lightning.callbacks",
+    # warnings (a leaf module: importing it pulls in nothing)
+    "LNLightningWarning": "ln_lightning._warnings",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+if TYPE_CHECKING:  # static view of the lazy names above, for type checkers and IDEs
+    from ln_lightning._warnings import LNLightningWarning
+    from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
+    from ln_lightning.norm import FusedAddLayerNorm, FusedLayerNorm, fused_add_layer_norm, swap_layernorms
+    from ln_lightning.placement import (
+        ConversionReport,
+        PlacementError,
+        PlacementReport,
+        Sublayer,
+        convert,
+        inspect_model,
+        register_block,
+        register_norm_class,
+    )
+    from ln_lightning.plugin import LNPlacement, UnsupportedStrategyError, load_converted
+
+# A literal list, so that static tools read it (sorted(_EXPORTS) + [...] is opaque to them).
+__all__ = [
+    "ClipAttributionMonitor",
+    "ConversionReport",
+    "FusedAddLayerNorm",
+    "FusedLayerNorm",
+    "LNLightningWarning",
+    "LNPlacement",
+    "LayerNormInputMonitor",
+    "PlacementError",
+    "PlacementReport",
+    "StreamNormMonitor",
+    "Sublayer",
+    "UnsupportedStrategyError",
+    "__version__",
+    "convert",
+    "fused_add_layer_norm",
+    "inspect_model",
+    "load_converted",
+    "register_block",
+    "register_norm_class",
+    "swap_layernorms",
+]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ln_lightning' has no attribute {name!r}")
@@ -51,5 +94,5 @@ def __getattr__(name: str):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return __all__

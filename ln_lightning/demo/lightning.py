@@ -6,6 +6,8 @@ import lightning as L
 import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Subset
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
 
 from ln_lightning.demo.data import CharCorpus, stdlib_corpus_text
 from ln_lightning.demo.models import PostNormTransformerLM
@@ -13,6 +15,10 @@ from ln_lightning.demo.models import PostNormTransformerLM
 
 class CharLM(L.LightningModule):
     """Wraps `PostNormTransformerLM` (post-norm, no final norm, as existing code writes it).
+
+    Logs `train/loss`; in validation `val/loss` (cross-entropy), `val/ppl` (perplexity, torchmetrics'
+    `Perplexity`) and `val/acc` (next-character accuracy, `MulticlassAccuracy`), each over the whole
+    validation set and across ranks; `test/loss` in testing.
 
     Args:
         vocab_size, d_model, n_layers, n_heads, block_size, dropout: the model's shape.
@@ -36,14 +42,20 @@ class CharLM(L.LightningModule):
         self.save_hyperparameters()
         self.model = PostNormTransformerLM(vocab_size, d_model, n_layers, n_heads, block_size, dropout)
         self.example_input_array = torch.zeros(2, min(16, block_size), dtype=torch.long)
+        # Their states are not persistent, so checkpoints and state_dict keys are as without them.
+        self.val_ppl = Perplexity()
+        self.val_acc = MulticlassAccuracy(num_classes=vocab_size, average="micro")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
     def _loss(self, batch) -> torch.Tensor:
+        return self._logits_and_loss(batch)[1]
+
+    def _logits_and_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch
         logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
@@ -51,7 +63,13 @@ class CharLM(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
+        logits, loss = self._logits_and_loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        target = batch[1]
+        self.val_ppl(logits, target)
+        self.val_acc(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+        self.log("val/ppl", self.val_ppl)
+        self.log("val/acc", self.val_acc)
 
     def test_step(self, batch, batch_idx):
         self.log("test/loss", self._loss(batch), sync_dist=True)
