@@ -38,37 +38,23 @@ def named_modules_normalized(root: nn.Module) -> dict[str, nn.Module]:
 
 
 def discover_blocks(pl_module: nn.Module) -> tuple[list[str], str]:
-    """Residual block paths of `pl_module`, and how they were found.
+    """Residual block paths of `pl_module`, found by the placement engine (`inspect_model`), the same
+    recognition `convert` uses; and where they came from.
 
-    Uses `ln_lightning.placement.inspect_model` when it is available. Otherwise falls back to a
-    structural rule (every `nn.ModuleList` / `nn.Sequential` whose children are two or more modules
-    of one class that each hold a LayerNorm), and says so in the returned source string.
+    A model the engine can't read gives no blocks and the reason (the monitor then says so and asks
+    for the block paths); nothing is guessed from container shapes.
     """
-    failure = "ln_lightning.placement.inspect_model not available"
-    try:
-        from ln_lightning.placement import inspect_model  # noqa: PLC0415 (keeps `import ln_lightning.callbacks` light)
+    from ln_lightning.placement import inspect_model  # noqa: PLC0415 (keeps `import ln_lightning.callbacks` light)
 
+    try:
         report = inspect_model(pl_module)
-        paths = [normalize_name(p, pl_module) for p in report.block_paths()]
-        if paths:
-            return paths, "inspect_model"
-        failure = "inspect_model found no residual blocks"
-    except Exception as err:  # a monitor must not stop training: fall back, and say why
-        failure = f"inspect_model failed: {type(err).__name__}: {err}"
-        rank_zero_warn(f"ln_lightning monitors: {failure}; using the structural fallback to find blocks.")
-    paths = []
-    for name, module in pl_module.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.named_children())
-        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
-            continue
-        if all(any(isinstance(m, nn.LayerNorm) for m in c.modules()) for _, c in children):
-            prefix = normalize_name(name, pl_module)
-            paths.extend(f"{prefix}.{n}" if prefix else n for n, _ in children)
-    # Keep the outermost blocks only (a block nested in another block is part of it).
-    paths = [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
-    return paths, f"structural fallback ({failure})"
+    except Exception as err:  # noqa: BLE001 - a monitor must not stop training: report and let the user name paths
+        return [], f"inspect_model could not read the model ({type(err).__name__}: {err})"
+    paths = [normalize_name(p, pl_module) for p in report.block_paths()]
+    if paths:
+        return paths, "inspect_model"
+    why = "; ".join(f"{u.path}: {u.reason}" for u in report.unrecognised[:3])
+    return [], "inspect_model found no residual blocks" + (f" ({why})" if why else "")
 
 
 def resolve_paths(pl_module: nn.Module, paths: Iterable[str], what: str) -> list[tuple[str, nn.Module]]:

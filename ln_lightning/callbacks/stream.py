@@ -82,6 +82,7 @@ class StreamNormMonitor(MonitorBase):
         else:
             paths, source = discover_blocks(pl_module)
             targets = resolve_paths(pl_module, paths, type(self).__name__) if paths else []
+        self._discovery = source
         if not targets:
             return
         self.block_paths = [p for p, _ in targets]
@@ -97,7 +98,7 @@ class StreamNormMonitor(MonitorBase):
             self._register(pl_module)
             if not self._handles:
                 rank_zero_warn(
-                    "StreamNormMonitor found no residual blocks to monitor and will log nothing. "
+                    f"StreamNormMonitor found no residual blocks to monitor ({getattr(self, '_discovery', 'no model')}) and will log nothing. "
                     "Pass the block module paths: StreamNormMonitor(blocks=['model.blocks.0', ...])."
                 )
         if self._handles:
