@@ -289,3 +289,30 @@ def teardown_module(module):
         print("\nfamily                          status       reference                  max rel. error")
         for name, status, ref, err in RESULTS:
             print(f"{name:31s} {status:12s} {ref:26s} {err:.1e}")
+
+
+@pytest.mark.parametrize("kind", ["Encoder", "Decoder"])
+def test_x_transformers_post_norm_stack_matches_pre_norm_true(kind):
+    """x-transformers `pre_norm=False` converted against the same class built with `pre_norm=True`,
+    loaded with the converted weights (each layer's norm moves from slot 2 to slot 0 of its norms)."""
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    cls = getattr(xt, kind)
+    model = cls(dim=16, depth=2, heads=2, pre_norm=False)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("gamma"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape))
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    report = convert(model, "pre", example_input=x)
+    assert [b.status for b in report.blocks] == ["converted"] and report.added == ["final_norm"], str(report)
+    ref = cls(dim=16, depth=2, heads=2, pre_norm=True)
+    ref.load_state_dict({k.replace(".0.2.", ".0.0."): v for k, v in model.state_dict().items()}, strict=True)
+    with torch.no_grad():
+        err = _rel(model(x), ref(x))
+    RESULTS.append((f"x-transformers {kind}", "converted", "pre_norm=True", err))
+    assert err < 1e-5
+    convert(model, "post", example_input=x)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), original(x), atol=0, rtol=0)

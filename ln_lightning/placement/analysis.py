@@ -82,6 +82,13 @@ class _Block:
             self.feeds_output |= rec.ancestors(v)
         self.earlier_streams: list[int] = []
 
+    def uses(self, e: Event, v: int) -> bool:
+        """Does `e` really read `v`? A module call that only carries it along (inside a list argument
+        it never looks at, like x-transformers' `layer_hiddens`) does not."""
+        if e.kind == "function":
+            return True
+        return any(self.rec.events[r].kind == "function" and e.index in self.rec.events[r].frames for r in self.rec.values[v].readers)
+
     def observer(self, e: Event) -> bool:
         """Reads a value but nothing it computes reaches the block's output: a check on the input
         that steers control flow, a logging call. It is no part of the function the block computes."""
@@ -148,10 +155,10 @@ def _next_sublayer(blk: _Block, s: int, index: int) -> tuple[ObservedSublayer, i
     branch_vals = (rec.ancestors(b) | {b}) & (desc | {s})
     # Norms around the branch.
     a_readers = blk.readers(a)
-    post = [e for e in a_readers if _is_norm(e, blk.types) and _first_arg(e) == a]
+    post = _outermost([e for e in a_readers if _is_norm(e, blk.types) and _first_arg(e) == a], blk)
     outside_post = [e for e in a_readers if not any(blk.contains(n, e) for n in post)]
-    in_norm = [e for e in readers if _is_norm(e, blk.types) and _first_arg(e) == s and _out(e) in branch_vals]
-    out_norm = [e for e in _calls_producing(blk, b) if _is_norm(e, blk.types)]
+    in_norm = _outermost([e for e in readers if _is_norm(e, blk.types) and _first_arg(e) == s and _out(e) in branch_vals], blk)
+    out_norm = _outermost([e for e in _calls_producing(blk, b) if _is_norm(e, blk.types)], blk)
     branch_modules = _branch_modules(blk, s, branch_vals, add)
     branch = " > ".join(branch_modules) or "(functions)"
     if len(post) == 1 and not outside_post:
@@ -171,6 +178,11 @@ def _next_sublayer(blk: _Block, s: int, index: int) -> tuple[ObservedSublayer, i
     if out_norm:
         return ObservedSublayer(index, "output", out_norm[-1].name, branch, None, out_norm=out_norm[-1].name), a
     return ObservedSublayer(index, "none", None, branch, None), a
+
+
+def _outermost(calls: list[Event], blk: _Block) -> list[Event]:
+    """Norm calls not nested in another of them (a norm class that wraps nn.LayerNorm, x-transformers')."""
+    return [e for e in calls if not any(o is not e and blk.contains(o, e) for o in calls)]
 
 
 def _calls_producing(blk: _Block, v: int) -> list[Event]:
@@ -202,6 +214,8 @@ def _plan(blk: _Block, s: int, b: int, add: Event, norm_call: Event, branch_vals
     for r in blk.readers(s):
         if r is add or r.kind == "module" and blk.contains(r, add):
             continue  # the residual add itself, or a module holding it (which gets `s` as the residual)
+        if not blk.uses(r, s):
+            continue
         if blk.observer(r):
             continue  # control flow or logging on the input: unchanged by the rewrite
         if not any(v in branch_vals for _, v in r.outputs):

@@ -104,6 +104,8 @@ def check_hooked_pre(block: nn.Module, plans: list, scales: list, args: tuple, k
                 continue
             if not any(v in feeds_output for _, v in r.outputs):
                 continue  # control flow or logging on the stream: not part of the branch
+            if r.kind == "module" and not any(rec.events[x].kind == "function" and r.index in rec.events[x].frames for x in rec.values[s].readers):
+                continue  # carries the stream along without reading it
             raise CheckFailed(
                 f"sublayer {i}: `{r.name}` reads the raw stream after the rewrite, so the branch does not see "
                 f"{plan.norm}(x) everywhere (entries: {', '.join(e.module for e in plan.entries)})"

@@ -20,7 +20,7 @@ from torch import nn
 from ln_lightning.placement import hooks
 from ln_lightning.placement.analysis import analyse
 from ln_lightning.placement.blocks import Handler, HookedHandler, HookedSublayer, TorchLayerHandler
-from ln_lightning.placement.families import family_handler
+from ln_lightning.placement import families
 from ln_lightning.placement.norms import norm_types
 from ln_lightning.placement.plan import EntryPlan, RewritePlan, Unrecognised
 from ln_lightning.placement.recording import Recording, record
@@ -220,9 +220,6 @@ def _handler(block: nn.Module, path: str, run: ModelRun | None) -> Handler:
         return _registered_handler(block, path, decl)
     if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
         return TorchLayerHandler(block, path)
-    h = family_handler(block, path)
-    if h is not None:
-        return h
     if run is not None:
         calls = run.rec.module_calls(block)
         if not calls:
@@ -287,4 +284,4 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
 
 
 def _always_a_candidate(m: nn.Module) -> bool:
-    return isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) or registered_sublayers(m) is not None or family_handler(m, "") is not None
+    return isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) or registered_sublayers(m) is not None or families.is_block(m)

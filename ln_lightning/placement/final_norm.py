@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 from torch import fx, nn
 
-from ln_lightning.placement import hooks
+from ln_lightning.placement import families, hooks
 from ln_lightning.placement.analysis import stream_output
 from ln_lightning.placement.discovery import CONTAINERS, Found, Stack, join
 from ln_lightning.placement.norms import norm_types
@@ -75,6 +75,11 @@ def detect(model: nn.Module, stack: Stack, found: Found) -> None:
     owner, owner_path = _owner(model, stack)
     if isinstance(owner, (nn.TransformerEncoder, nn.TransformerDecoder)) and owner.layers is stack.container:
         stack.final_norm = join(owner_path, "norm") if owner.norm is not None else None
+        return
+    last = stack.handlers[-1]
+    slot = families.final_norm_slot(last.block)
+    if slot is not None:
+        stack.final_norm = join(last.path, slot) if isinstance(getattr(last.block, slot), norm_types()) else None
         return
     if found.observation is not None:
         _detect_observed(model, stack, found)
@@ -216,6 +221,14 @@ def add(model: nn.Module, stack: Stack, found: Found) -> str:
         owner.norm = norm
         owner._ln_lightning_added_norm = True
         return join(owner_path, "norm")
+    last = stack.handlers[-1]
+    slot = families.final_norm_slot(last.block)
+    if slot is not None:  # the block's own final-norm slot, where its pre-norm configuration keeps one
+        setattr(norm, MARKER, stack.path)
+        norm.ln_lightning_slot_was = type(getattr(last.block, slot))
+        hooks.make_bypassable(norm)
+        setattr(last.block, slot, norm)
+        return join(last.path, slot)
     if stack.path == "":
         raise NotAdded(
             f"the model itself is the stack ({type(stack.container).__name__}); there is no module to hold a final norm "
@@ -313,7 +326,11 @@ def remove(model: nn.Module, stack: Stack) -> str | None:
                             del mm._forward_hooks[k2]
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    del parent._modules[name]
+    was = getattr(norm, "ln_lightning_slot_was", None)
+    if was is not None:
+        setattr(parent, name, was())  # the slot held an identity before
+    else:
+        del parent._modules[name]
     return path
 
 

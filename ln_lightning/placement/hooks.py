@@ -157,13 +157,49 @@ def undefer_norm(norm: nn.Module) -> None:
         setattr(norm, theirs, restored)
 
 
+class BypassableNorm:
+    """Mixin for a final norm convert put into a block's own slot (x-transformers' `final_norm`):
+    under `bypass()` it passes its input through, so the original function is still one switch away."""
+
+    ln_lightning_bypassable = True
+
+    def forward(self, x, *args, **kwargs):
+        if _bypassed():
+            return x
+        return super().forward(x, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild_bypassable, (type(self).__mro__[2], self.__dict__)
+
+
+_bypassable_classes: dict[type, type] = {}
+
+
+def _bypassable_class(base: type) -> type:
+    cls = _bypassable_classes.get(base)
+    if cls is None:
+        cls = type(f"Bypassable{base.__name__}", (BypassableNorm, base), {"__module__": __name__})
+        _bypassable_classes[base] = cls
+    return cls
+
+
+def _rebuild_bypassable(base: type, state: dict) -> nn.Module:
+    obj = _bypassable_class(base).__new__(_bypassable_class(base))
+    obj.__dict__.update(state)
+    return obj
+
+
+def make_bypassable(norm: nn.Module) -> None:
+    norm.__class__ = _bypassable_class(type(norm))
+
+
 def is_deferred(norm: nn.Module) -> bool:
     return isinstance(norm, DeferredNorm)
 
 
 def original_class(norm: nn.Module) -> type:
-    """The norm's own class, also while it is deferred."""
-    return type(norm).__mro__[2] if isinstance(norm, DeferredNorm) else type(norm)
+    """The norm's own class, also while it is deferred (or bypassable)."""
+    return type(norm).__mro__[2] if isinstance(norm, (DeferredNorm, BypassableNorm)) else type(norm)
 
 
 def reference_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

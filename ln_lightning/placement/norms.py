@@ -6,10 +6,12 @@ from torch import nn
 
 
 def norm_types() -> tuple[type, ...]:
+    from ln_lightning.placement.families import norm_classes
     from ln_lightning.placement.registry import registered_norm_classes
 
     types: list[type] = [nn.LayerNorm]
     if hasattr(nn, "RMSNorm"):
         types.append(nn.RMSNorm)
     types.extend(registered_norm_classes())
+    types.extend(norm_classes())
     return tuple(types)
