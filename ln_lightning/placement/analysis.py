@@ -79,7 +79,7 @@ class _Block:
         outs = {v for _, v in call.outputs}
         self.feeds_output: set[int] = set(outs)
         for v in outs:
-            self.feeds_output |= rec.ancestors(v)
+            self.feeds_output |= rec.ancestors(v, within=call)
         self.earlier_streams: list[int] = []
 
     def uses(self, e: Event, v: int) -> bool:
@@ -87,7 +87,7 @@ class _Block:
         it never looks at, like x-transformers' `layer_hiddens`) does not."""
         if e.kind == "function":
             return True
-        return any(self.rec.events[r].kind == "function" and e.index in self.rec.events[r].frames for r in self.rec.values[v].readers)
+        return any(self.rec.events[r].kind == "function" and e.index < r <= e.end for r in self.rec.values[v].readers)
 
     def observer(self, e: Event) -> bool:
         """Reads a value but nothing it computes reaches the block's output: a check on the input
@@ -95,13 +95,14 @@ class _Block:
         return not any(v in self.feeds_output for _, v in e.outputs)
 
     def readers(self, v: int) -> list[Event]:
-        return [self.rec.events[r] for r in self.rec.values[v].readers if self.rec.events[r].index != self.call.index and self.call.index in self.rec.events[r].frames]
+        c = self.call
+        return [self.rec.events[r] for r in self.rec.values[v].readers if c.index < r <= c.end]
 
     def contains(self, frame: Event, e: Event) -> bool:
-        return frame.index in e.frames or frame.index == e.index
+        return frame.index <= e.index <= max(frame.end, frame.index)
 
     def calls_of(self, module: nn.Module) -> list[Event]:
-        return [e for e in self.rec.events if e.kind == "module" and e.module is module and self.call.index in e.frames]
+        return [e for e in self.rec.module_calls(module) if self.call.index < e.index <= self.call.end]
 
 
 def analyse(rec: Recording, call: Event, types: tuple) -> list[ObservedSublayer]:
@@ -113,7 +114,7 @@ def analyse(rec: Recording, call: Event, types: tuple) -> list[ObservedSublayer]
     if out is None:
         raise Unrecognised("the block returned no tensor")
     subs: list[ObservedSublayer] = []
-    for _ in range(len(rec.events) + 1):
+    for _ in range(call.end - call.index + 1):
         if s == out:
             break
         sub, nxt = _next_sublayer(blk, s, len(subs))
@@ -152,7 +153,7 @@ def _next_sublayer(blk: _Block, s: int, index: int) -> tuple[ObservedSublayer, i
         raise Unrecognised("the stream enters several residual adds (parallel branches); only one add per sublayer is supported")
     add, b = adds[0]
     a = _out(add)
-    branch_vals = (rec.ancestors(b) | {b}) & (desc | {s})
+    branch_vals = (rec.ancestors(b, within=blk.call) | {b}) & (desc | {s})
     # Norms around the branch.
     a_readers = blk.readers(a)
     post = _outermost([e for e in a_readers if _is_norm(e, blk.types) and _first_arg(e) == a], blk)
@@ -186,14 +187,14 @@ def _outermost(calls: list[Event], blk: _Block) -> list[Event]:
 
 
 def _calls_producing(blk: _Block, v: int) -> list[Event]:
-    return [e for e in blk.rec.events if e.kind == "module" and blk.call.index in e.frames and _out(e) == v]
+    return [e for e in blk.rec.within(blk.call) if e.kind == "module" and _out(e) == v]
 
 
 def _branch_modules(blk: _Block, s: int, branch_vals: set, add: Event) -> list[str]:
     """The outermost module calls of the branch (those that don't contain its add), in call order."""
     names: list[str] = []
-    for e in blk.rec.events:
-        if e.kind != "module" or blk.call.index not in e.frames or blk.contains(e, add):
+    for e in blk.rec.within(blk.call):
+        if e.kind != "module" or blk.contains(e, add):
             continue
         if not any(v in branch_vals for _, v in e.outputs):
             continue
@@ -263,8 +264,8 @@ def _entry_frame(blk: _Block, r: Event, s: int, add: Event) -> Event | None:
 
 def _exit(blk: _Block, b: int, add: Event) -> tuple[str | None, int | None, str]:
     found = []
-    for e in blk.rec.events:
-        if e.kind != "module" or blk.call.index not in e.frames or blk.contains(e, add):
+    for e in blk.rec.within(blk.call):
+        if e.kind != "module" or blk.contains(e, add):
             continue
         for where, v in e.outputs:
             if v == b and (where == () or (len(where) == 1 and isinstance(where[0], int))):

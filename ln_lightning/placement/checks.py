@@ -75,7 +75,7 @@ def check_hooked_pre(block: nn.Module, plans: list, scales: list, args: tuple, k
     inside = lambda e: call.index in e.frames  # noqa: E731
     feeds_output = {v for _, v in call.outputs}
     for v in list(feeds_output):
-        feeds_output |= rec.ancestors(v)
+        feeds_output |= rec.ancestors(v, within=call)
     err = 0.0
     passed_through = -1  # the previous sublayer's norm call site, which returned this stream
     for i, (plan, scale, raw) in enumerate(zip(plans, scales, raw_exits)):

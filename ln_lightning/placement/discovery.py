@@ -63,6 +63,7 @@ class Example:
     value: Any
     path: str = ""
     made_up: bool = False
+    fallbacks: list = field(default_factory=list)  # made up: other modules to try, in order
 
     def run(self, model: nn.Module):
         return run_model(model.get_submodule(self.path) if self.path else model, self.value)
@@ -75,6 +76,14 @@ class ModelRun:
     rec: Recording
     output: Any
     inputs: dict  # id(block) -> (args, kwargs) of its first call
+
+    def block_output(self, block: nn.Module):
+        """The stream a block returned on its first call."""
+        from ln_lightning.placement.analysis import stream_output
+
+        calls = self.rec.module_calls(block)
+        v = stream_output(calls[0]) if calls else None
+        return None if v is None else self.rec.values[v].tensor
 
 
 def _contains_norm(m: nn.Module) -> bool:
@@ -243,7 +252,20 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
     (outermost first: a T5Block is one block, not its two sublayer modules); if it is not one,
     its children are searched, and the reason is reported when nothing inside is a block either."""
     found = Found()
-    run = observe_model(model, example) if example is not None else None
+    run = None
+    if example is not None and example.made_up:
+        for path in [example.path, *example.fallbacks]:  # the outermost module that runs on the made-up ids
+            try:
+                example.path = path
+                run = observe_model(model, example)
+                break
+            except Exception:  # noqa: BLE001 - that one does not take token ids alone
+                continue
+        example.fallbacks = []
+        if run is None:
+            example.value = None
+    elif example is not None:
+        run = observe_model(model, example)
     found.observation = run
     types = norm_types()
     stacks: dict[str, Stack] = {}

@@ -24,7 +24,6 @@ from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.norms import norm_types
 from ln_lightning.placement.options import _validate
 from ln_lightning.placement.plan import Unrecognised
-from ln_lightning.placement.recording import record
 from ln_lightning.placement.report import BlockChange, ConversionReport, NormInfo, PlacementReport, StackInfo
 from ln_lightning.placement.transaction import Snapshot
 
@@ -65,26 +64,21 @@ def example_of(model: nn.Module, example_input: Any) -> Example | None:
 
 
 def made_up_example(model: nn.Module) -> Example | None:
-    """Token ids for the model (or its outermost submodule that takes them), if it runs on them.
+    """Token ids for the model, or for its outermost submodules that hold the embeddings.
 
     How often a block runs, and which module reads a stack's output, can only be seen in a forward;
     without an input of the user's, a model that embeds token ids can still be run on made-up ones.
+    Which module takes them is found by trying (`discovery.observe_model`), outermost first.
     """
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
         return None
     n = min(m.num_embeddings for m in embeddings)
     ids = torch.randint(0, n, (2, 8), generator=torch.Generator().manual_seed(0)).to(embeddings[0].weight.device)
-    for path, m in model.named_modules():
-        if not any(e is x for x in m.modules() for e in embeddings) or isinstance(m, (nn.Embedding, *CONTAINERS)):
-            continue
-        try:
-            with eval_no_grad(model), hooks.bypass():
-                run_model(m, ids)
-        except Exception:  # noqa: BLE001 - it does not take token ids alone; try the next one down
-            continue
-        return Example(ids, path, made_up=True)
-    return None
+    ids_of = {id(e) for e in embeddings}
+    paths = [p for p, m in model.named_modules()
+             if not isinstance(m, (nn.Embedding, *CONTAINERS)) and any(id(x) in ids_of for x in m.modules())]
+    return Example(ids, paths[0], made_up=True, fallbacks=paths[1:]) if paths else None
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:
@@ -240,7 +234,7 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     report = ConversionReport(model=type(model).__name__, placement=placement, options=options)
     example = example_of(model, example_input)
     found = _discover(model, example)
-    if example is not None and example.made_up:
+    if example is not None and example.made_up and found.observation is not None:
         where = f"its submodule {example.path}" if example.path else "the model"
         report.notes.append(f"read from one forward of {where} on made-up token ids; pass example_input= to read it with your inputs")
     for u in found.unrecognised:
@@ -269,8 +263,11 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     for stack in found.stacks:
         scales = ScaleFactory(branch_scale, len(stack.handlers), layerscale_init)
         for h in stack.handlers:
-            probe = found.observation.inputs.get(id(h.block)) if found.observation is not None else None
-            change = _convert_block(h, placement, scales, refused.get(h.path), probe, report)
+            probe, observed = None, None
+            if found.observation is not None:
+                probe = found.observation.inputs.get(id(h.block))
+                observed = found.observation.block_output(h.block)
+            change = _convert_block(h, placement, scales, refused.get(h.path), probe, observed, report)
             report.blocks.append(change)
             if change.status == "skipped" and strict:
                 raise PlacementError(f"strict conversion: block {h.path} ({change.kind}) skipped: {change.reason}")
@@ -278,9 +275,11 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
             _final_norm_step(model, stack, found, final_norm, strict, report)
 
     if found.observation is not None and report.changed:
-        _check_final_norms(model, found, example, report)
-        with eval_no_grad(model):
+        with eval_no_grad(model), _counting_final_norms(model, found, report) as counts:
             after = _first_tensor(example.run(model))
+        for path, n in counts.items():
+            if n != 1:
+                raise PlacementError(f"internal check: the final norm {path} ran {n} times in one forward (expected once); please report this")
         report.output_change = relative_error(after, model_before) if model_before is not None else None
         report.output_change_scope = "model"
     elif report.changed:
@@ -298,7 +297,7 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     return report
 
 
-def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_reason, captured, report) -> BlockChange:
+def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_reason, captured, observed, report) -> BlockChange:
     info = h.info()
     before = info.placement
     change = BlockChange(h.path, info.kind, "already", before, before)
@@ -317,13 +316,15 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
     # A fresh copy for every run: a KV cache among the arguments is written by each call.
     fresh = lambda: copy.deepcopy(probe)  # noqa: E731
     args, kwargs = fresh()
-    try:
-        with eval_no_grad(h.block):
-            y_before = _first_tensor(h.block(*args, **kwargs))
-    except Exception as e:  # noqa: BLE001 - the user's block refused the probe: a reason, not a crash
-        change.status = "skipped"
-        change.reason = f"running the block on a probe input failed ({type(e).__name__}: {e}); pass example_input= to probe it with real inputs"
-        return change
+    y_before = observed  # the block's stream output in the recorded forward, when there was one
+    if y_before is None:
+        try:
+            with eval_no_grad(h.block):
+                y_before = _first_tensor(h.block(*args, **kwargs))
+        except Exception as e:  # noqa: BLE001 - the user's block refused the probe: a reason, not a crash
+            change.status = "skipped"
+            change.reason = f"running the block on a probe input failed ({type(e).__name__}: {e}); pass example_input= to probe it with real inputs"
+            return change
     block_snapshot = Snapshot(h.block)
     try:
         added = h.to_pre(scales) if placement == "pre" else h.to_post()
@@ -384,15 +385,23 @@ def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict
         report.notes.append(f"stack {stack.path} was already pre-norm; added its missing final norm {path}")
 
 
-def _check_final_norms(model: nn.Module, found: Found, example: Example, report: ConversionReport) -> None:
-    """Each added final norm ran exactly once in a forward, on its stack's final stream."""
-    added = [(s, fn.added_norm(model, s)) for s in found.stacks]
-    added = [(s, a) for s, a in added if a is not None and a[0] in report.added]
-    if not added:
-        return
-    with eval_no_grad(model), record(model) as rec:
-        example.run(model)
-    for stack, (path, norm) in added:
-        n = len(rec.module_calls(norm))
-        if n != 1:
-            raise PlacementError(f"internal check: the final norm {path} ran {n} times in one forward (expected once); please report this")
+@contextlib.contextmanager
+def _counting_final_norms(model: nn.Module, found: Found, report: ConversionReport):
+    """How many times each final norm convert added runs in the forward inside this block."""
+    counts: dict[str, int] = {}
+    handles = []
+    for stack in found.stacks:
+        added = fn.added_norm(model, stack)
+        if added is not None and added[0] in report.added:
+            path, norm = added
+            counts[path] = 0
+
+            def count(mod, args, out, path=path):
+                counts[path] += 1
+
+            handles.append(nn.Module.register_forward_hook(norm, count))
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()

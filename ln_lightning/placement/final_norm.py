@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from ln_lightning.placement import families, hooks
 from ln_lightning.placement.analysis import stream_output
+from ln_lightning.placement.blocks import HookedHandler
 from ln_lightning.placement.discovery import CONTAINERS, Found, Stack, join
 from ln_lightning.placement.norms import norm_types
 
@@ -138,14 +139,19 @@ def _detect_observed(model: nn.Module, stack: Stack, found: Found) -> None:
 
 
 def traced_owner(model: nn.Module, stack: Stack):
-    """The fx graph of the module holding the stack's container (children as leaves), or None."""
+    """The fx graph of the module holding the stack's container (children as leaves), or None.
+    Traced once per stack: a 96-layer owner takes a while."""
+    if "graph" in stack.__dict__:
+        return stack.__dict__["graph"]
     owner, _ = _owner(model, stack)
-    if owner is None:
-        return None
-    try:
-        return _LeafTracer().trace(owner)
-    except Exception:  # noqa: BLE001 - most real code is not traceable
-        return None
+    graph = None
+    if owner is not None:
+        try:
+            graph = _LeafTracer().trace(owner)
+        except Exception:  # noqa: BLE001 - most real code is not traceable
+            graph = None
+    stack.__dict__["graph"] = graph
+    return graph
 
 
 def _rel_to_owner(path: str, owner_path: str) -> str:
@@ -339,6 +345,8 @@ def outside_uses(model: nn.Module, found: Found) -> dict[str, str]:
     out: dict[str, str] = {}
     if found.observation is None:
         for stack in found.stacks:
+            if not any(isinstance(h, HookedHandler) for h in stack.handlers):
+                continue  # torch's own layers: their norms are theirs, and torch's stacks don't reuse them
             graph = traced_owner(model, stack)
             if graph is None:
                 continue

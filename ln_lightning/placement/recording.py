@@ -64,16 +64,25 @@ class Event:
         return next((v for w, v in self.inputs if w == where), None)
 
 
-def flatten(obj: Any, where: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
+def flatten(obj: Any, where: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
     """(location, tensor) for every tensor in nested tuples / lists / dicts (ModelOutputs included)."""
+    out: list = []
+    _flatten(obj, where, out)
+    return out
+
+
+def _flatten(obj, where, out) -> None:
     if isinstance(obj, torch.Tensor):
-        yield where, obj
+        out.append((where, obj))
     elif isinstance(obj, (tuple, list)):
         for i, o in enumerate(obj):
-            yield from flatten(o, where + (i,))
+            if isinstance(o, torch.Tensor):  # the common case, without a call
+                out.append((where + (i,), o))
+            elif isinstance(o, (tuple, list, dict)):
+                _flatten(o, where + (i,), out)
     elif isinstance(obj, dict):
         for k, o in obj.items():
-            yield from flatten(o, where + (k,))
+            _flatten(o, where + (k,), out)
 
 
 def _func_name(func) -> str:
@@ -89,6 +98,7 @@ class Recording:
         self.values: list[Value] = []
         self._by_id: dict[int, int] = {}
         self._stack: list[int] = []
+        self._calls: dict[int, list[Event]] = {}  # id(module) -> its calls, in order
 
     # -- building ---------------------------------------------------------------------------------
     def value_of(self, t: torch.Tensor, producer: int | None = None) -> int:
@@ -116,8 +126,8 @@ class Recording:
         return e
 
     def on_function(self, func, args, kwargs, out) -> None:
-        ins = list(flatten(args, ("arg",))) + list(flatten(kwargs, ("kwarg",)))
-        outs = list(flatten(out))
+        ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",)) if kwargs else flatten(args, ("arg",))
+        outs = flatten(out)
         if not ins and not outs:
             return
         name = _func_name(func)
@@ -133,8 +143,9 @@ class Recording:
                 e.outputs.append((where, self._new_version(t, e.index)))
 
     def enter_module(self, module, args, kwargs) -> None:
-        ins = list(flatten(args, ("arg",))) + list(flatten(kwargs, ("kwarg",)))
+        ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",))
         e = self._event("module", self.paths[id(module)], module, ins)
+        self._calls.setdefault(id(module), []).append(e)
         self._stack.append(e.index)
 
     def exit_module(self, module, out) -> None:
@@ -150,7 +161,11 @@ class Recording:
 
     # -- queries ----------------------------------------------------------------------------------
     def module_calls(self, module: nn.Module) -> list[Event]:
-        return [e for e in self.events if e.kind == "module" and e.module is module]
+        return list(self._calls.get(id(module), ()))
+
+    def within(self, call: Event) -> list[Event]:
+        """The events inside a module call, in order."""
+        return self.events[call.index + 1: call.end + 1]
 
     def inside(self, e: Event, frame: Event) -> bool:
         return frame.index in e.frames or e.index == frame.index
@@ -162,7 +177,7 @@ class Recording:
             x = todo.pop()
             for r in self.values[x].readers:
                 e = self.events[r]
-                if e.kind != "function" or (within is not None and not self.inside(e, within)):
+                if e.kind != "function" or (within is not None and not (within.index < e.index <= within.end)):
                     continue
                 for _, o in e.outputs:
                     if o not in out and o != v:
@@ -170,12 +185,13 @@ class Recording:
                         todo.append(o)
         return out
 
-    def ancestors(self, v: int) -> set[int]:
+    def ancestors(self, v: int, within: Event | None = None) -> set[int]:
+        """Values `v` was computed from (inside the call `within` only, when given)."""
         out, todo = set(), [v]
         while todo:
             x = todo.pop()
             p = self.values[x].producer
-            if p is None:
+            if p is None or (within is not None and not (within.index < p <= within.end)):
                 continue
             e = self.events[p]
             for _, i in e.inputs:
