@@ -647,7 +647,7 @@ def _read_checkpoint(path: Path, map_location: Any) -> dict:
         checkpoint = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as err:  # zip/pickle/EOF/unpickling errors: one message, not torch's internals
         raise ValueError(
-            f"load_converted: cannot read {path} as a PyTorch checkpoint: {type(err).__name__}: {err}. It may be "
+            f"load_converted: cannot read {path} as a PyTorch checkpoint: {type(err).__name__}: {str(err).rstrip('.')}. It may be "
             "truncated (a run killed while saving) or another kind of file."
         ) from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict", checkpoint), dict):

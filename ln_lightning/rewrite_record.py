@@ -42,6 +42,7 @@ MARKER = "ln_lightning_placement"
 CONFIG_ATTR = "_ln_lightning_placement_config"
 ADDED_ATTR = "_ln_lightning_placement_added"
 _HOOK_FLAG = "_ln_lightning_load_hook"
+_GUARDED_ATTR = "_ln_lightning_guarded_owners"  # on each guarded module: owner paths relative to it
 _ACCEPT_FLAG = "_ln_lightning_accept_unmarked"
 
 
@@ -83,6 +84,11 @@ def record(model: nn.Module, config: dict, block_paths: Iterable[str] = (), *, a
     paths = set(owners) if owners is not None else {owner_path(p) for p in block_paths}
     for path in sorted(paths):
         _register_marker(model.get_submodule(path), config)
+        # The guard sits on the owner and on every module above it: a load into any of them checks the
+        # marker before torch copies a single weight (a load refused half-way would still change the model).
+        parts = path.split(".") if path else []
+        for i in range(len(parts) + 1):
+            _guard(model.get_submodule(".".join(parts[:i])), ".".join(parts[i:]))
 
 
 def recorded_config(model: nn.Module) -> dict | None:
@@ -111,27 +117,42 @@ def _register_marker(module: nn.Module, config: dict) -> None:
         module._buffers[MARKER] = value.to(device)
     else:
         module.register_buffer(MARKER, value.to(device), persistent=True)
+
+
+def _guard(module: nn.Module, relative_owner: str) -> None:
+    owners = module.__dict__.setdefault(_GUARDED_ATTR, set())
+    owners.add(relative_owner)
     if not getattr(module, _HOOK_FLAG, False):
         if hasattr(module, "register_load_state_dict_pre_hook"):
-            module.register_load_state_dict_pre_hook(_check_marker_on_load)
+            module.register_load_state_dict_pre_hook(_check_markers_on_load)
         else:  # torch < 2.5
-            module._register_load_state_dict_pre_hook(_check_marker_on_load, with_module=True)
+            module._register_load_state_dict_pre_hook(_check_markers_on_load, with_module=True)
         setattr(module, _HOOK_FLAG, True)
 
 
 # ---------------------------------------------------------------------------------------------- the load guard
-def _check_marker_on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """load_state_dict pre-hook on a marker owner: refuse weights written for another function.
+def _check_markers_on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """load_state_dict pre-hook: refuse weights written for another function, before any is copied.
 
-    torch raises for any entry in `error_msgs`, whatever `strict` is, which is what makes this guard hold
-    for `strict=False` and Lightning's `strict_loading = False` too.
+    It raises (rather than adding to `error_msgs`, after which torch would go on copying the other weights),
+    and it does so whatever `strict` is: `strict=False` and Lightning's `strict_loading = False` included.
     """
+    for rel in sorted(getattr(module, _GUARDED_ATTR, ())):
+        try:
+            owner = module.get_submodule(rel) if rel else module
+        except AttributeError:
+            continue  # the module tree changed since the rewrite
+        if MARKER in owner._buffers:
+            _check_owner(owner, state_dict, prefix + (rel + "." if rel else ""))
+
+
+def _check_owner(owner: nn.Module, state_dict, prefix: str) -> None:
     key = prefix + MARKER
-    mine = decode_config(module._buffers.get(MARKER))
+    mine = decode_config(owner._buffers.get(MARKER))
     if key in state_dict:
         theirs = decode_config(state_dict[key])
         if theirs != mine:
-            error_msgs.append(
+            raise RuntimeError(
                 f"ln_lightning: the state_dict was saved from a model rewritten to {theirs}, but this model is rewritten "
                 f"to {mine}. Use the same LNPlacement options as the run that wrote it (they are stored in "
                 "checkpoint['ln_lightning']['config']), or ln_lightning.load_converted(...)."
@@ -140,14 +161,14 @@ def _check_marker_on_load(module, state_dict, prefix, local_metadata, strict, mi
     if not any(k.startswith(prefix) for k in state_dict):
         return  # a partial load that holds nothing for this module's weights
     where = prefix.rstrip(".") or "<root>"
-    if getattr(module, _ACCEPT_FLAG, False):
+    if getattr(owner, _ACCEPT_FLAG, False):
         log.warning(
             "ln_lightning: loading a state_dict without the placement marker into %s, rewritten to %s "
             "(accept_unconverted): its weights come from a model without this rewrite, and this model computes "
             "%s-norm with them; its output differs from the model that wrote them.", where, mine, (mine or {}).get("placement")
         )
         return
-    error_msgs.append(
+    raise RuntimeError(
         f"ln_lightning: the state_dict has no '{key}' entry: it was saved from a model without the placement "
         f"rewrite, but this model ({where}) is rewritten to {mine}, so its weights would compute another function "
         "than the one they were trained for. Load them into the unconverted model first and let LNPlacement "
