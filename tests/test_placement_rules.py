@@ -117,6 +117,14 @@ class ReturnsExtra(nn.Module):
         return self.ln(x + h), h
 
 
+_PRE_FORMULA = {
+    Post: lambda o, x: x + o.fc(_ln(o.ln, x)),
+    FunctionLast: lambda o, x: x + torch.tanh(o.fc(_ln(o.ln, x))),
+    DataDependent: lambda o, x: (lambda s: s + o.ffn(_ln(o.ln2, s)))(x + o.attn(_ln(o.ln1, x))),
+    ReturnsExtra: lambda o, x: x + o.fc(_ln(o.ln, x)),
+}
+
+
 def _one(block_cls, **kw):
     report = convert(nn.ModuleList([block_cls(), block_cls()]), "pre", final_norm=False, **kw)
     return report
@@ -129,11 +137,21 @@ def _one(block_cls, **kw):
         (PreNormBlock, "already", ""),
         (Sandwich, "skipped", "sandwich"),
         (FunctionFirst, "skipped", "a function, not a module"),
-        (FunctionLast, "skipped", "not a module call"),
+        # A function at the branch's end needs no hook (only a branch scale would): it converts.
+        (FunctionLast, "converted", ""),
+        # Control flow on the input stream (fx can't trace it) is read from the forward it runs.
+        (DataDependent, "converted", ""),
+        # An extra output computed by the branch is the pre-norm branch's value afterwards, like the
+        # attention weights Hugging Face layers return.
+        (ReturnsExtra, "converted", ""),
     ],
 )
 def test_block_styles_status_and_reason(cls, status, reason):
     model = nn.ModuleList([cls(8) if cls is PreNormBlock else cls() for _ in range(2)])
+    for m in model.modules():  # trained-looking norms, so a misplaced one shows
+        if isinstance(m, nn.LayerNorm):
+            nn.init.normal_(m.weight, 1.0, 0.3), nn.init.normal_(m.bias, 0.0, 0.3)
+    orig = copy.deepcopy(model)
     before = copy.deepcopy(model.state_dict())
     x = torch.randn(2, 3, 8)
     with torch.no_grad():
@@ -141,6 +159,11 @@ def test_block_styles_status_and_reason(cls, status, reason):
     report = convert(model, "pre", final_norm=False)
     assert [b.status for b in report.blocks] == [status] * 2, str(report)
     assert all(reason in b.reason for b in report.blocks)
+    if status == "converted":  # against the pre-norm formula written out with the original modules
+        with torch.no_grad():
+            for m, o in zip(model, orig):
+                y = m(x)
+                torch.testing.assert_close(y[0] if isinstance(y, tuple) else y, _PRE_FORMULA[cls](o, x), atol=1e-5, rtol=1e-5)
     if status != "converted":  # untouched, bit for bit
         with torch.no_grad():
             for m, y in zip(model, y0):
@@ -153,10 +176,8 @@ def test_block_styles_status_and_reason(cls, status, reason):
 @pytest.mark.parametrize(
     "cls, reason",
     [
-        (Parallel, "also used outside it"),
+        (Parallel, "parallel branches"),
         (NoResidual, "no single residual add"),
-        (DataDependent, "could not be traced"),
-        (ReturnsExtra, "used outside the residual add"),
     ],
 )
 def test_unreadable_blocks_are_reported_not_guessed(cls, reason):
@@ -209,6 +230,14 @@ def test_a_wrong_declaration_is_caught_by_the_probe_check():
 
 
 def test_a_branch_that_returns_a_tuple_is_skipped_with_the_reason():
+    # Read from its forward, it needs no declaration: all of q, k, v get LN(x) and the exit is out[0].
+    torch.manual_seed(0)
+    model = nn.ModuleList([TupleBranch()])
+    orig = copy.deepcopy(model)
+    assert convert(model, "pre", final_norm=False).blocks[0].status == "converted"
+    x = torch.randn(2, 3, 8)
+    o, h = orig[0], _ln(orig[0].ln, x)
+    torch.testing.assert_close(model[0](x), x + o.attn(h, h, h)[0], atol=1e-5, rtol=1e-5)
     register_block(TupleBranch, [Sublayer(norm="ln", branch="attn", stream_args=(0, 1, 2))])
     try:
         report = convert(nn.ModuleList([TupleBranch()]), "pre", final_norm=False)

@@ -12,6 +12,7 @@ Every handler checks a converted block on a probe input against the formula it p
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 
@@ -19,26 +20,10 @@ import torch
 from torch import nn
 
 from ln_lightning.placement import hooks
+from ln_lightning.placement.checks import CheckFailed, check_hooked_pre, relative_error
+from ln_lightning.placement.plan import RewritePlan, Unrecognised
 from ln_lightning.placement.report import BlockInfo, SublayerInfo
 from ln_lightning.placement.scale import BranchScale
-from ln_lightning.placement.trace import EntryPlan, RewritePlan, Unrecognised
-
-CHECK_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-class CheckFailed(Exception):
-    pass
-
-
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.detach().double(), expected.detach().double()
-    if a.shape != e.shape:
-        raise CheckFailed(f"shape {tuple(a.shape)} != expected {tuple(e.shape)}")
-    return ((a - e).norm() / e.norm().clamp_min(1e-12)).item()
-
-
-def _stream_out(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class ScaleFactory:
@@ -228,7 +213,7 @@ class TorchLayerHandler(Handler):
                 else:
                     s = n(s + f(s))
         out = layer(*args, **kwargs)
-        return _rel(out, s), out
+        return relative_error(out, s), out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,22 +224,12 @@ class TorchLayerHandler(Handler):
 @dataclass
 class HookedSublayer:
     name: str
-    written: str  # placement as the forward is written: post | pre | sandwich | none
+    written: str  # placement as the forward computes it: post | pre | peri | output | none
     norm: str | None
     branch: str  # for the report
     plan: RewritePlan | None
     reason: str = ""  # why it cannot be rewritten (when plan is None)
-
-
-class _RecordExit:
-    def __init__(self, index: int | None):
-        self.index = index
-
-    def __call__(self, module, args, output):
-        rec = getattr(hooks._state, "capture", None)
-        if rec is not None:
-            value = output if self.index is None else output[self.index]
-            rec.append(("exit", module, value))
+    out_norm: str | None = None  # peri / output: the norm on the branch's output
 
 
 class HookedHandler(Handler):
@@ -264,7 +239,7 @@ class HookedHandler(Handler):
         self.recogniser = recogniser
 
     def _get(self, rel: str) -> nn.Module:
-        return self.block.get_submodule(rel)
+        return self.block.get_submodule(rel) if rel else self.block
 
     def _full(self, rel: str | None) -> str | None:
         if rel is None:
@@ -286,6 +261,11 @@ class HookedHandler(Handler):
         last = self.subs[-1]
         return self._get(last.norm) if last.norm is not None and last.written == "post" else None
 
+    def stream_dim(self) -> int:
+        n = self.norms()[0]
+        shape = getattr(n, "normalized_shape", None)
+        return int(shape[-1]) if shape else int(n.weight.shape[-1])
+
     def _scale_name(self, sub: HookedSublayer) -> str:
         return f"{sub.name.replace('.', '_')}_scale"
 
@@ -295,7 +275,8 @@ class HookedHandler(Handler):
             if written == {"pre"}:
                 return None
             if written != {"post"}:
-                return f"its sublayers are written as {'/'.join(sorted(written))}; only post-norm sublayers can be moved to pre-norm"
+                shown = "/".join("peri (sandwich)" if w == "peri" else w for w in sorted(written))
+                return f"its sublayers are written as {shown}; only post-norm sublayers can be moved to pre-norm"
             for s in self.subs:
                 if s.plan is None:
                     return s.reason
@@ -303,7 +284,10 @@ class HookedHandler(Handler):
         # post: only what we converted can go back (the user's pre-norm code is not rewritten).
         if written == {"post"}:
             return None
-        return f"the block is written as {'/'.join(sorted(written))}-norm in its own forward; ln_lightning moves norms into branches with hooks and can only undo its own rewrite"
+        return (
+            f"the block is written as {'/'.join(sorted(written))}-norm in its own forward; ln_lightning moves norms into "
+            "branches with hooks and can only undo its own rewrite"
+        )
 
     def to_pre(self, scales):
         for s in self.subs:
@@ -340,123 +324,16 @@ class HookedHandler(Handler):
             hooks.undefer_norm(self._get(s.norm))
         return removed
 
-    def verify_written(self, args, kwargs) -> None:
-        """Check the plan against the user's forward before touching it: for every sublayer, the
-        declared norm must receive `stream + branch output` and feed the next sublayer."""
-        records: list = []
-
-        def on_entry(norm):
-            def hook(mod, a, kw):
-                records.append(("entry", norm, a[0] if a else next(iter(kw.values()))))
-            return hook
-
-        def on_exit(index):
-            def hook(mod, a, out):
-                records.append(("exit", None, out if index is None else out[index]))
-            return hook
-
-        def on_norm(mod, a, out):
-            records.append(("norm", mod, (a[0], out)))
-
-        handles = []
-        try:
-            for s in self.subs:
-                norm = self._get(s.norm)
-                for e in s.plan.entries:
-                    handles.append(self._get(e.module).register_forward_pre_hook(on_entry(norm), with_kwargs=True, prepend=True))
-                handles.append(self._get(s.plan.exit_module).register_forward_hook(on_exit(s.plan.exit_index), prepend=True))
-                handles.append(norm.register_forward_hook(on_norm, prepend=True))
-            out = _stream_out(self.block(*args, **kwargs))
-        finally:
-            for h in handles:
-                h.remove()
-        # Collapse repeated entries of one sublayer (q, k, v modules) into one.
-        seq, last = [], None
-        for r in records:
-            if r[0] == "entry" and last is not None and last[0] == "entry" and last[1] is r[1]:
-                continue
-            seq.append(r)
-            last = r
-        kinds = [r[0] for r in seq]
-        if kinds != ["entry", "exit", "norm"] * len(self.subs):
-            raise CheckFailed(f"forward did not run entry -> exit -> norm for each declared sublayer (observed {' -> '.join(kinds)})")
-        x = args[0] if args else next(iter(kwargs.values()))
-        err = _rel(seq[0][2], x)
-        for i, s in enumerate(self.subs):
-            (_, norm, s_in), (_, _, b), (_, mod, (n_in, n_out)) = seq[3 * i : 3 * i + 3]
-            if mod is not self._get(s.norm) or norm is not mod:
-                raise CheckFailed(f"sublayer {s.name}: the norm applied after its add is not {s.norm}")
-            if not isinstance(b, torch.Tensor):
-                raise CheckFailed(f"the branch of sublayer {s.name} returns a {type(b).__name__}, not a tensor")
-            err = max(err, _rel(n_in, s_in.double() + b.double()))
-            nxt = seq[3 * i + 3][2] if i + 1 < len(self.subs) else out
-            err = max(err, _rel(nxt, n_out))
-        if err > 1e-5:
-            raise CheckFailed(f"forward does not compute norm(x + branch(x)) as declared (relative error {err:.1e})")
-        return out
-
     def check(self, args, kwargs, placement):
         if placement == "post":
-            # Undoing our hooks must give back the user's own forward exactly: compare with bypass.
-            out = _stream_out(self.block(*args, **kwargs))
+            # Undoing our hooks must give back the user's own forward exactly: no hook of ours may be
+            # left, and the output must equal the bypassed (original) function.
+            left = [p for p, m in self.block.named_modules() if hooks.our_hooks(m) or hooks.is_deferred(m)]
+            if left:
+                raise CheckFailed(f"ln_lightning hooks are still attached at {', '.join(left)}")
+            fresh = copy.deepcopy((args, kwargs))  # a KV cache among the arguments is written by each call
+            out = hooks.stream_of(self.block(*args, **kwargs))
             with hooks.bypass():
-                return _rel(out, _stream_out(self.block(*args, **kwargs))), out
-        exits = []
-        for s in self.subs:
-            if s.plan.exit_module is None:
-                raise CheckFailed(f"sublayer {s.name}: {s.plan.exit_reason}, so its output can't be observed")
-            exits.append(self._get(s.plan.exit_module).register_forward_hook(_RecordExit(s.plan.exit_index), prepend=True))
-        try:
-            with hooks.capture() as records:
-                out = _stream_out(self.block(*args, **kwargs))
-        finally:
-            for h in exits:
-                h.remove()
-        # Group records into (stream in, branch out) per sublayer, in execution order.
-        seq: list[list] = []
-        for kind, key, value in records:
-            if kind == "entry":
-                if not seq or seq[-1][0] is not key:
-                    seq.append([key, value, None])
-            else:
-                if not seq or seq[-1][2] is not None:
-                    raise CheckFailed("a branch's exit ran before its entry")
-                if not isinstance(value, torch.Tensor):
-                    raise CheckFailed(f"the branch returns a {type(value).__name__}, not a tensor")
-                seq[-1][2] = value
-        if len(seq) != len(self.subs) or any(r[2] is None for r in seq):
-            raise CheckFailed(f"expected {len(self.subs)} sublayers to run in order, observed {len(seq)}")
-        x = args[0] if args else next(iter(kwargs.values()))
-        err = _rel(seq[0][1], x)
-        for i, (norm, s_in, b) in enumerate(seq):
-            scale = getattr(self.block, self._scale_name(self.subs[i]), None)
-            expected = s_in.double() + _scale_value(scale) * b.double()
-            nxt = seq[i + 1][1] if i + 1 < len(seq) else out
-            err = max(err, _rel(nxt, expected))
-        return err, out
-
-
-def bert_handler(block: nn.Module, path: str) -> HookedHandler | None:
-    """Hugging Face BERT-family layers (BERT, RoBERTa, ELECTRA, ... share this structure)."""
-    try:
-        att_self = block.attention.self
-        att_out = block.attention.output
-        inter = block.intermediate
-        out = block.output
-        ok = all(isinstance(m, nn.Module) for m in (att_self, att_out, inter, out))
-        ok = ok and all(hasattr(m, n) for m, n in ((att_out, "LayerNorm"), (att_out, "dense"), (att_out, "dropout"), (out, "LayerNorm"), (out, "dense"), (out, "dropout")))
-    except AttributeError:
-        return None
-    if not ok:
-        return None
-    subs = [
-        HookedSublayer("attention", "post", "attention.output.LayerNorm", "attention.self > attention.output.dense",
-                       RewritePlan("attention.output.LayerNorm", [EntryPlan("attention.self", (0,), ("hidden_states",))], "attention.output.dropout", None)),
-        HookedSublayer("ffn", "post", "output.LayerNorm", "intermediate > output.dense",
-                       RewritePlan("output.LayerNorm", [EntryPlan("intermediate", (0,), ("hidden_states",))], "output.dropout", None)),
-    ]
-    h = HookedHandler(block, path, subs, "huggingface BERT-family layer")
-    if getattr(block, "crossattention", None) is not None:
-        for s in h.subs:
-            s.plan, s.reason = None, "BERT decoder layers with cross-attention are not supported"
-    return h
+                return relative_error(out, hooks.stream_of(self.block(*fresh[0], **fresh[1]))), out
+        scales = [getattr(self.block, self._scale_name(s), None) for s in self.subs]
+        return check_hooked_pre(self.block, [s.plan for s in self.subs], scales, args, kwargs)

@@ -32,6 +32,11 @@ def _bypassed() -> bool:
     return getattr(_state, "bypass", False)
 
 
+def normalizing() -> bool:
+    """True inside a deferred norm's own normalisation (the recorder tells our reads from the user's)."""
+    return getattr(_state, "normalizing", 0) > 0
+
+
 @contextlib.contextmanager
 def bypass():
     """Run the model's original (unconverted) function inside this block, on this thread."""
@@ -78,7 +83,11 @@ class DeferredNorm:
                 r = hook(self, (x,))
                 if r is not None:
                     x = r[0] if isinstance(r, tuple) else r
-        y = super().forward(x)
+        _state.normalizing = getattr(_state, "normalizing", 0) + 1
+        try:
+            y = super().forward(x)
+        finally:
+            _state.normalizing -= 1
         for key, hook in list(d["_ln_post_hooks"].items()):
             r = hook(self, (x,), {}, y) if key in d["_ln_post_kw"] else hook(self, (x,), y)
             if r is not None:
@@ -152,6 +161,16 @@ def is_deferred(norm: nn.Module) -> bool:
     return isinstance(norm, DeferredNorm)
 
 
+def original_class(norm: nn.Module) -> type:
+    """The norm's own class, also while it is deferred."""
+    return type(norm).__mro__[2] if isinstance(norm, DeferredNorm) else type(norm)
+
+
+def reference_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm`'s normalisation of `x` through its own class's forward: no hooks, deferred or not."""
+    return original_class(norm).forward(norm, x)
+
+
 # ---------------------------------------------------------------------------------------------
 # Hooks. They are small top-level classes (not closures) so that deepcopy and pickle of a converted
 # model keep working, and so `convert(placement="post")` can find and remove exactly its own hooks.
@@ -214,8 +233,45 @@ class ScaleBranchOutput:
         return type(output)(out) if isinstance(output, tuple) else out
 
 
+def replace_stream(output, stream: torch.Tensor, new: torch.Tensor):
+    """`output` with its top-level element that *is* `stream` replaced by `new`; None if absent.
+
+    Top level only: a tensor, an element of a tuple/list, a value of a dict or ModelOutput. The
+    nested `hidden_states` tuples Hugging Face returns keep the stream as the blocks produced it.
+    """
+    if output is stream:
+        return new
+    if isinstance(output, (tuple, list)):
+        for i, o in enumerate(output):
+            if o is stream:
+                items = list(output)
+                items[i] = new
+                if isinstance(output, list):
+                    return items
+                return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+        return None
+    if isinstance(output, dict):
+        for k, o in output.items():
+            if o is stream:
+                output[k] = new  # ModelOutput keeps its attribute in step with the key
+                return output
+    return None
+
+
+def stream_of(output) -> torch.Tensor | None:
+    """A block's residual stream: the output itself, its first element, or its first value."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    if isinstance(output, dict) and output:
+        first = next(iter(output.values()))
+        return first if isinstance(first, torch.Tensor) else None
+    return None
+
+
 class ApplyFinalNorm:
-    """Forward hook on the last block of a stack (or on the stack itself): output -> final_norm(output)."""
+    """Forward hook on a stack's last block, called once per forward: its stream -> final_norm(stream)."""
 
     def __init__(self, norm: nn.Module):
         self.norm = norm
@@ -223,10 +279,58 @@ class ApplyFinalNorm:
     def __call__(self, module, args, output):
         if _bypassed():
             return None
-        return self.norm(output)
+        s = stream_of(output)
+        return replace_stream(output, s, self.norm(s))
 
 
-OUR_HOOK_TYPES = (NormalizeBranchInput, ScaleBranchOutput, ApplyFinalNorm)
+class TapStream:
+    """Forward hook on a shared last block (called several times per forward): remembers its latest stream."""
+
+    def __init__(self):
+        self.value = None
+
+    def __call__(self, module, args, output):
+        self.value = None if _bypassed() else stream_of(output)
+        return None
+
+    def __deepcopy__(self, memo):
+        return TapStream()  # a deep copy of the model must not share the remembered tensor
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.value = None
+
+
+class ApplyFinalNormAtExit:
+    """Forward hook on the module whose output carries a shared stack's final stream out.
+
+    Applies the final norm once, to the stream the shared last block produced on its last call.
+    """
+
+    def __init__(self, norm: nn.Module, tap: TapStream, stack: str):
+        self.norm = norm
+        self.tap = tap
+        self.stack = stack
+
+    def __call__(self, module, args, output):
+        if _bypassed():
+            return None
+        s, self.tap.value = self.tap.value, None
+        if s is None:
+            return None
+        out = replace_stream(output, s, self.norm(s))
+        if out is None:
+            raise RuntimeError(
+                f"ln_lightning: the final norm of stack {self.stack} could not be applied: this forward returned the "
+                "stack's output in a different place than when the model was converted. Convert with an example_input "
+                "that takes the same path, or convert with final_norm=False."
+            )
+        return out
+
+
+OUR_HOOK_TYPES = (NormalizeBranchInput, ScaleBranchOutput, ApplyFinalNorm, TapStream, ApplyFinalNormAtExit)
 
 
 def remove_our_hooks(module: nn.Module, kind: type) -> int:

@@ -1,0 +1,268 @@
+"""Reading a block's residual sublayers from a recording of its forward (see `recording.py`).
+
+A sublayer is found where the stream `s` meets a value `b` computed from it in an add:
+
+    post      s' = N(s + F(s))
+    pre       s' = s + F(N(s))
+    peri      s' = s + N2(F(N1(s)))        (sandwich)
+    output    s' = s + N(F(s))             (OLMo 2)
+    none      s' = s + F(s)
+
+For a post-norm sublayer, the rewrite needs every place where the branch reads the stream: the
+outermost module calls inside the block that receive `s` as an argument and do not contain the
+residual add (the branch's *entries*: all of q, k and v; every argument position or keyword that
+carries it). A branch that reads `s` in any other way (a function applied to it outside a module,
+a module that gets it inside a container argument, a module called again elsewhere) can't be
+rewritten with hooks, and the reason says where.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ln_lightning.placement.plan import EntryPlan, RewritePlan, Unrecognised
+from ln_lightning.placement.recording import Event, Recording
+
+_TRANSPARENT = (nn.Dropout, nn.Identity)
+
+
+@dataclass
+class ObservedSublayer:
+    index: int
+    placement: str  # post | pre | peri | output | none
+    norm: str | None  # path (relative to the block) of the norm that decides the placement
+    branch: str  # the modules the branch calls, for the reader
+    plan: RewritePlan | None  # post only: where the hooks go
+    reason: str = ""  # post only: why it can't be rewritten (plan is None)
+    out_norm: str | None = None  # peri / output: the norm on the branch's output
+
+
+def stream_input(call: Event) -> int | None:
+    """The value that carries the residual stream into a block call."""
+    for where in (("arg", 0), ("kwarg", "hidden_states"), ("kwarg", "x"), ("kwarg", "hidden")):
+        v = call.input_value(where)
+        if v is not None:
+            return v
+    top = [v for w, v in call.inputs if len(w) == 2]
+    return top[0] if top else None
+
+
+def stream_output(call: Event) -> int | None:
+    for where, v in call.outputs:
+        if where in ((), (0,)):
+            return v
+    return call.outputs[0][1] if call.outputs and len(call.outputs[0][0]) == 1 else None
+
+
+def _is_norm(e: Event, types) -> bool:
+    return e.kind == "module" and isinstance(e.module, types)
+
+
+def _first_arg(e: Event) -> int | None:
+    v = e.input_value(("arg", 0))
+    if v is None and e.inputs and len(e.inputs[0][0]) == 2:
+        v = e.inputs[0][1]
+    return v
+
+
+def _out(e: Event) -> int | None:
+    return next((v for w, v in e.outputs if w == ()), None)
+
+
+class _Block:
+    """Queries on one block call inside a recording."""
+
+    def __init__(self, rec: Recording, call: Event, types):
+        self.rec, self.call, self.types = rec, call, types
+        outs = {v for _, v in call.outputs}
+        self.feeds_output: set[int] = set(outs)
+        for v in outs:
+            self.feeds_output |= rec.ancestors(v)
+        self.earlier_streams: list[int] = []
+
+    def observer(self, e: Event) -> bool:
+        """Reads a value but nothing it computes reaches the block's output: a check on the input
+        that steers control flow, a logging call. It is no part of the function the block computes."""
+        return not any(v in self.feeds_output for _, v in e.outputs)
+
+    def readers(self, v: int) -> list[Event]:
+        return [self.rec.events[r] for r in self.rec.values[v].readers if self.rec.events[r].index != self.call.index and self.call.index in self.rec.events[r].frames]
+
+    def contains(self, frame: Event, e: Event) -> bool:
+        return frame.index in e.frames or frame.index == e.index
+
+    def calls_of(self, module: nn.Module) -> list[Event]:
+        return [e for e in self.rec.events if e.kind == "module" and e.module is module and self.call.index in e.frames]
+
+
+def analyse(rec: Recording, call: Event, types: tuple) -> list[ObservedSublayer]:
+    """The sublayers of the block whose call is `call`; raises Unrecognised with the reason."""
+    blk = _Block(rec, call, types)
+    s, out = stream_input(call), stream_output(call)
+    if s is None:
+        raise Unrecognised("the block received no tensor")
+    if out is None:
+        raise Unrecognised("the block returned no tensor")
+    subs: list[ObservedSublayer] = []
+    for _ in range(len(rec.events) + 1):
+        if s == out:
+            break
+        sub, nxt = _next_sublayer(blk, s, len(subs))
+        blk.earlier_streams.append(s)
+        s = nxt
+        subs.append(sub)
+    else:  # pragma: no cover - defensive
+        raise Unrecognised("could not follow the stream to the block's output")
+    if not subs:
+        raise Unrecognised("the block returns its input unchanged")
+    return subs
+
+
+def _next_sublayer(blk: _Block, s: int, index: int) -> tuple[ObservedSublayer, int]:
+    rec = blk.rec
+    desc = rec.descendants(s, within=blk.call)
+    readers = blk.readers(s)
+    adds = []
+    for e in readers:
+        if e.is_add:
+            other = next(v for _, v in e.inputs if v != s)
+            if other in desc:
+                adds.append((e, other))
+    if len(adds) != 1:
+        if not adds:
+            what = sorted({e.name for e in readers if not blk.observer(e)})
+            for e in readers:
+                if e.is_add and any(other in rec.descendants(p, within=blk.call) for p in blk.earlier_streams for _, other in e.inputs if other != s):
+                    raise Unrecognised(
+                        "a value computed from an earlier stream is added here (parallel branches, GPT-J style): "
+                        "only sequential sublayers can be moved"
+                    )
+            if any(_is_norm(e, blk.types) and _first_arg(e) == s for e in readers) and not any(e.is_add for e in readers):
+                raise Unrecognised(f"a norm is applied to the stream outside a residual add `x + F(x)` (the stream is used by: {', '.join(what) or 'nothing'})")
+            raise Unrecognised(f"no single residual add `x + F(x)` follows the stream (it is used by: {', '.join(what) or 'nothing'})")
+        raise Unrecognised("the stream enters several residual adds (parallel branches); only one add per sublayer is supported")
+    add, b = adds[0]
+    a = _out(add)
+    branch_vals = (rec.ancestors(b) | {b}) & (desc | {s})
+    # Norms around the branch.
+    a_readers = blk.readers(a)
+    post = [e for e in a_readers if _is_norm(e, blk.types) and _first_arg(e) == a]
+    outside_post = [e for e in a_readers if not any(blk.contains(n, e) for n in post)]
+    in_norm = [e for e in readers if _is_norm(e, blk.types) and _first_arg(e) == s and _out(e) in branch_vals]
+    out_norm = [e for e in _calls_producing(blk, b) if _is_norm(e, blk.types)]
+    branch_modules = _branch_modules(blk, s, branch_vals, add)
+    branch = " > ".join(branch_modules) or "(functions)"
+    if len(post) == 1 and not outside_post:
+        norm_call = post[0]
+        if in_norm:
+            raise Unrecognised("a sublayer with a norm both before its branch and after its add is not supported")
+        sub = ObservedSublayer(index, "post", norm_call.name, branch, None)
+        try:
+            sub.plan = _plan(blk, s, b, add, norm_call, branch_vals)
+        except Unrecognised as e:
+            sub.reason = str(e)
+        return sub, _out(norm_call)
+    if in_norm and out_norm:
+        return ObservedSublayer(index, "peri", in_norm[0].name, branch, None, out_norm=out_norm[-1].name), a
+    if in_norm:
+        return ObservedSublayer(index, "pre", in_norm[0].name, branch, None), a
+    if out_norm:
+        return ObservedSublayer(index, "output", out_norm[-1].name, branch, None, out_norm=out_norm[-1].name), a
+    return ObservedSublayer(index, "none", None, branch, None), a
+
+
+def _calls_producing(blk: _Block, v: int) -> list[Event]:
+    return [e for e in blk.rec.events if e.kind == "module" and blk.call.index in e.frames and _out(e) == v]
+
+
+def _branch_modules(blk: _Block, s: int, branch_vals: set, add: Event) -> list[str]:
+    """The outermost module calls of the branch (those that don't contain its add), in call order."""
+    names: list[str] = []
+    for e in blk.rec.events:
+        if e.kind != "module" or blk.call.index not in e.frames or blk.contains(e, add):
+            continue
+        if not any(v in branch_vals for _, v in e.outputs):
+            continue
+        if any(f != blk.call.index and not blk.contains(blk.rec.events[f], add) for f in e.frames if f > blk.call.index):
+            continue  # nested inside a module already listed
+        if isinstance(e.module, _TRANSPARENT):
+            continue
+        if e.name not in names:
+            names.append(e.name)
+    return names
+
+
+def _plan(blk: _Block, s: int, b: int, add: Event, norm_call: Event, branch_vals: set) -> RewritePlan:
+    rec = blk.rec
+    if len(blk.calls_of(norm_call.module)) != 1:
+        raise Unrecognised(f"norm {norm_call.name} is called {len(blk.calls_of(norm_call.module))} times in the block (shared between sublayers)")
+    entries: dict[int, Event] = {}
+    for r in blk.readers(s):
+        if r is add or r.kind == "module" and blk.contains(r, add):
+            continue  # the residual add itself, or a module holding it (which gets `s` as the residual)
+        if blk.observer(r):
+            continue  # control flow or logging on the input: unchanged by the rewrite
+        if not any(v in branch_vals for _, v in r.outputs):
+            raise Unrecognised(f"the stream also feeds `{r.name}` outside the sublayer (parallel branches, or an extra output)")
+        entry = _entry_frame(blk, r, s, add)
+        if entry is None:
+            raise Unrecognised(
+                f"the branch first applies `{r.name}` (a function, not a module) to the stream, so there is no module "
+                "call to hand LN(x) to; wrap that step in a module"
+            )
+        entries[entry.index] = entry
+    if not entries:
+        raise Unrecognised("the branch never reads the stream")
+    plans: dict[str, EntryPlan] = {}
+    for e in entries.values():
+        calls = blk.calls_of(e.module)
+        if any(c.index not in entries for c in calls):
+            raise Unrecognised(f"branch module {e.name} is called {len(calls)} times in the block, not only as the branch's entry")
+        pos, kws = [], []
+        for where, v in e.inputs:
+            if v != s:
+                continue
+            if len(where) != 2:
+                raise Unrecognised(f"branch module {e.name} receives the stream inside a container argument ({where[0]} {where[1]!r})")
+            (pos if where[0] == "arg" else kws).append(where[1])
+        p = EntryPlan(e.name, tuple(pos), tuple(kws))
+        old = plans.get(e.name)
+        if old is not None and (old.arg_positions, old.kwarg_names) != (p.arg_positions, p.kwarg_names):
+            raise Unrecognised(f"branch module {e.name} receives the stream at different arguments on different calls")
+        plans[e.name] = p
+    exit_module, exit_index, reason = _exit(blk, b, add)
+    return RewritePlan(norm_call.name, sorted(plans.values(), key=lambda p: p.module), exit_module, exit_index, reason)
+
+
+def _entry_frame(blk: _Block, r: Event, s: int, add: Event) -> Event | None:
+    """The outermost module call inside the block, around (or equal to) `r`, that receives `s` and not the add."""
+    chain = [blk.rec.events[f] for f in r.frames if f > blk.call.index] + ([r] if r.kind == "module" else [])
+    for f in chain:
+        if blk.contains(f, add):
+            continue
+        if any(v == s for _, v in f.inputs):
+            return f
+    return None
+
+
+def _exit(blk: _Block, b: int, add: Event) -> tuple[str | None, int | None, str]:
+    found = []
+    for e in blk.rec.events:
+        if e.kind != "module" or blk.call.index not in e.frames or blk.contains(e, add):
+            continue
+        for where, v in e.outputs:
+            if v == b and (where == () or (len(where) == 1 and isinstance(where[0], int))):
+                found.append((e, None if where == () else where[0]))
+    if not found:
+        producer = blk.rec.values[b].producer
+        name = blk.rec.events[producer].name if producer is not None else "?"
+        return None, None, f"the branch ends in `{name}`, not a module call"
+    # The outermost of the modules that return the branch value; of siblings (a linear, then a
+    # dropout that returned its input in eval) the last, which is what the add reads in training too.
+    outer = [f for f in found if not any(g is not f and blk.contains(g[0], f[0]) for g in found)]
+    e, index = max(outer, key=lambda f: f[0].index)
+    if len(blk.calls_of(e.module)) != 1:
+        return None, None, f"branch exit {e.name} is called more than once"
+    return e.name, index, ""

@@ -1,0 +1,277 @@
+"""Finding the stacks of residual blocks in a model, and a handler for each block.
+
+Candidates are found by structure: the children of a ModuleList / Sequential / ModuleDict that
+hold a norm (and torch's own Transformer layers). Whether a candidate is a residual block, and
+what its sublayers are, is then read from what it does: one recorded forward of the whole model
+on its example input (so every block runs with its real arguments, and we see how often each
+block runs and which norms are called outside their block), or, without an example input, one
+recorded call of each block on a probe tensor. Per-family knowledge that observation can't
+replace lives in `families/`, one file per family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ln_lightning.placement import hooks
+from ln_lightning.placement.analysis import analyse
+from ln_lightning.placement.blocks import Handler, HookedHandler, HookedSublayer, TorchLayerHandler
+from ln_lightning.placement.families import family_handler
+from ln_lightning.placement.norms import norm_types
+from ln_lightning.placement.plan import EntryPlan, RewritePlan, Unrecognised
+from ln_lightning.placement.recording import Recording, record
+from ln_lightning.placement.registry import registered_sublayers
+from ln_lightning.placement.report import SkippedModule
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+@dataclass
+class Stack:
+    path: str  # the container's path ("" when the model itself is the container)
+    container: nn.Module
+    handlers: list[Handler]
+    final_norm: str | None = None
+    final_known: bool = True
+    final_detail: str = ""
+    continues_into: str | None = None  # a block that takes this stack's output as its stream
+
+
+@dataclass
+class Found:
+    stacks: list[Stack] = field(default_factory=list)
+    unrecognised: list[SkippedModule] = field(default_factory=list)
+    observation: "ModelRun | None" = None
+
+    @property
+    def handlers(self) -> list[Handler]:
+        return [h for s in self.stacks for h in s.handlers]
+
+
+@dataclass
+class ModelRun:
+    """One recorded forward of the whole model (original function: our hooks bypassed)."""
+
+    rec: Recording
+    output: Any
+    inputs: dict  # id(block) -> (args, kwargs) of its first call
+
+
+def _contains_norm(m: nn.Module) -> bool:
+    types = norm_types()
+    return any(isinstance(x, types) for x in m.modules())
+
+
+def run_model(model: nn.Module, example: Any):
+    if isinstance(example, dict):
+        return model(**example)
+    if isinstance(example, (tuple, list)):
+        return model(*example)
+    return model(example)
+
+
+def observe_model(model: nn.Module, example: Any) -> ModelRun:
+    """Run the model once on `example` (eval, no grad, our hooks bypassed), recording everything."""
+    inputs: dict = {}
+
+    def capture(mod, args, kwargs):
+        if id(mod) not in inputs:
+            inputs[id(mod)] = (tuple(args), dict(kwargs))
+
+    handles = [m.register_forward_pre_hook(capture, with_kwargs=True, prepend=True) for m in model.modules()]
+    try:
+        with eval_no_grad(model), hooks.bypass(), record(model) as rec:
+            out = run_model(model, example)
+    finally:
+        for h in handles:
+            h.remove()
+    return ModelRun(rec, out, inputs)
+
+
+class eval_no_grad:
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        self.grad = torch.no_grad()
+        self.grad.__enter__()
+
+    def __exit__(self, *exc):
+        self.grad.__exit__(*exc)
+        for m, t in self.modes:
+            m.training = t
+
+
+def synthetic_probe(block: nn.Module, dim: int) -> tuple[tuple, dict]:
+    w = next(iter(block.parameters()))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, dim, generator=g, dtype=torch.float64)
+    # An offset and a non-unit scale, so a misplaced norm can't go unnoticed.
+    return ((3.0 * x + 0.5).to(device=w.device, dtype=w.dtype),), {}
+
+
+def _stream_dim(block: nn.Module) -> int:
+    for m in block.modules():
+        if isinstance(m, norm_types()):
+            shape = getattr(m, "normalized_shape", None)
+            if shape:
+                return int(shape[-1])
+            w = getattr(m, "weight", None)
+            if w is not None:
+                return int(w.shape[-1])
+    raise Unrecognised("could not tell the stream's width from the block's norms")
+
+
+def _relative(path: str | None, block_path: str) -> str | None:
+    if path is None or not block_path:
+        return path
+    if path == block_path:
+        return ""
+    return path[len(block_path) + 1:] if path.startswith(block_path + ".") else path
+
+
+def _observed_handler(block: nn.Module, path: str, rec: Recording, call) -> HookedHandler:
+    subs = []
+    for o in analyse(rec, call, norm_types()):
+        rel = lambda p: _relative(p, path)  # noqa: E731
+        plan = None
+        if o.plan is not None:
+            plan = RewritePlan(rel(o.plan.norm), [EntryPlan(rel(e.module), e.arg_positions, e.kwarg_names) for e in o.plan.entries],
+                               rel(o.plan.exit_module), o.plan.exit_index, o.plan.exit_reason)
+        branch = " > ".join(_relative(b, path) for b in o.branch.split(" > ")) if o.branch != "(functions)" else o.branch
+        name = plan.entries[0].module if plan is not None and plan.entries else (branch.split(" > ")[0] if o.branch != "(functions)" else f"sublayer{o.index}")
+        subs.append(HookedSublayer(name, o.placement, rel(o.norm), branch, plan, o.reason, rel(o.out_norm)))
+    names = [s.name for s in subs]
+    for i, s in enumerate(subs):
+        if names.count(s.name) > 1:
+            s.name = f"{s.name}{i}"
+    return HookedHandler(block, path, subs, "observed forward")
+
+
+def _refuse_second_stream(rec: Recording, call) -> None:
+    """A block that also gets an earlier version of its stream (Funnel's pooling layer reads the
+    unpooled stream as key and value) would need that normalised as well: refuse it.
+
+    The stream's lineage is what it was computed from by functions alone (pooling, a cast, a norm),
+    back to the last residual add: a cross-attention's memory or a mask is not in it."""
+    from ln_lightning.placement.analysis import stream_input
+
+    s = stream_input(call)
+    if s is None:
+        return
+    lineage, todo = set(), [s]
+    while todo:
+        p = rec.values[todo.pop()].producer
+        if p is None or rec.events[p].is_add:
+            continue
+        for _, i in rec.events[p].inputs:
+            if i not in lineage and not isinstance(rec.values[i].tensor, nn.Parameter):
+                lineage.add(i)
+                todo.append(i)
+    for where, v in call.inputs:
+        if v != s and v in lineage:
+            raise Unrecognised(
+                f"it receives an earlier version of the residual stream as a second input ({where[0]} {where[1]!r}) "
+                "besides the stream itself; a pre-norm rewrite would have to normalise both"
+            )
+
+
+def _registered_handler(block: nn.Module, path: str, decl) -> HookedHandler:
+    subs = []
+    for d in decl:
+        for rel in (d.norm, d.branch, d.exit or d.branch):
+            try:
+                block.get_submodule(rel)
+            except AttributeError:
+                raise Unrecognised(f"register_block declared submodule {rel!r}, which {type(block).__name__} does not have") from None
+        if not isinstance(block.get_submodule(d.norm), norm_types()):
+            raise Unrecognised(f"declared norm {d.norm!r} is a {type(block.get_submodule(d.norm)).__name__}, not a norm (see register_norm_class)")
+        plan = RewritePlan(d.norm, [EntryPlan(d.branch, tuple(d.stream_args), tuple(d.stream_kwargs))], d.exit or d.branch, d.exit_index)
+        subs.append(HookedSublayer(d.name or d.branch, d.placement, d.norm, d.branch, plan))
+    return HookedHandler(block, path, subs, "register_block")
+
+
+def _handler(block: nn.Module, path: str, run: ModelRun | None) -> Handler:
+    decl = registered_sublayers(block)
+    if decl is not None:
+        return _registered_handler(block, path, decl)
+    if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return TorchLayerHandler(block, path)
+    h = family_handler(block, path)
+    if h is not None:
+        return h
+    if run is not None:
+        calls = run.rec.module_calls(block)
+        if not calls:
+            raise Unrecognised("the model's forward did not call it on the example input")
+        _refuse_second_stream(run.rec, calls[0])
+        return _observed_handler(block, path, run.rec, calls[0])
+    args, kwargs = synthetic_probe(block, _stream_dim(block))
+    try:
+        with eval_no_grad(block), hooks.bypass(), record(block, path) as rec:
+            block(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the user's block refused our probe: say so
+        raise Unrecognised(
+            f"running it on a probe tensor of shape {tuple(args[0].shape)} failed ({type(e).__name__}: {str(e)[:160]}); "
+            "pass example_input= so it runs with its real inputs"
+        ) from None
+    return _observed_handler(block, path, rec, rec.events[0])
+
+
+def discover(model: nn.Module, example: Any = None) -> Found:
+    """Every stack of residual blocks. A child of a container that holds a norm is tried as a block
+    (outermost first: a T5Block is one block, not its two sublayer modules); if it is not one,
+    its children are searched, and the reason is reported when nothing inside is a block either."""
+    found = Found()
+    run = observe_model(model, example) if example is not None else None
+    found.observation = run
+    types = norm_types()
+    stacks: dict[str, Stack] = {}
+
+    def attempt(child: nn.Module, cpath: str, container_path: str, report: bool) -> None:
+        try:
+            h = _handler(child, cpath, run)
+        except Unrecognised as e:
+            before = len(found.unrecognised) + sum(len(s.handlers) for s in stacks.values())
+            visit(child, cpath)
+            if report and before == len(found.unrecognised) + sum(len(s.handlers) for s in stacks.values()):
+                found.unrecognised.append(SkippedModule(cpath, type(child).__name__, str(e)))
+            return
+        st = stacks.get(container_path)
+        if st is None:
+            st = stacks[container_path] = Stack(container_path, model.get_submodule(container_path) if container_path else model, [])
+        st.handlers.append(h)
+
+    def visit(m: nn.Module, path: str) -> None:
+        in_container = isinstance(m, CONTAINERS)
+        for name, child in m.named_children():
+            cpath = join(path, name)
+            if isinstance(child, types) or not _contains_norm(child):
+                continue
+            if isinstance(child, CONTAINERS):
+                visit(child, cpath)
+            elif in_container or _always_a_candidate(child):
+                attempt(child, cpath, path, report=in_container)
+            else:
+                visit(child, cpath)
+
+    if not isinstance(model, CONTAINERS) and _always_a_candidate(model):
+        attempt(model, "", "", report=True)
+    else:
+        visit(model, "")
+    found.stacks = sorted(stacks.values(), key=lambda s: s.path)
+    return found
+
+
+def _always_a_candidate(m: nn.Module) -> bool:
+    return isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) or registered_sublayers(m) is not None or family_handler(m, "") is not None

@@ -1,0 +1,293 @@
+"""A stack's final norm: is there one, and where does an added one go so it runs once per forward.
+
+Detection follows the stack's output as the model really uses it (one recorded forward on the
+example input): from the stream the last block returns on its last call, through functions
+(dropout, a clamp, a cast, pooling) and pass-through modules, to the first module that reads it.
+A norm there is the final norm; anything else (a head, the model's output) means there is none.
+Without an example input the owner's forward is traced with torch.fx instead, where it can be.
+
+An added final norm is applied where the stack's output leaves it:
+
+* when the last block runs once per forward, by a hook on that block (its stream element only,
+  whatever else it returns);
+* when it runs several times (a shared layer, ALBERT), by a hook on the innermost module whose
+  call holds all those runs and returns the stream: the norm then runs once, after the last use.
+
+It is stored on the nearest module above the stack that is not a container (a Sequential or
+ModuleList would run or iterate it as a layer). Where none of this applies, no norm is added
+and the report says why.
+"""
+
+from __future__ import annotations
+
+import copy
+from torch import fx, nn
+
+from ln_lightning.placement import hooks
+from ln_lightning.placement.analysis import stream_output
+from ln_lightning.placement.discovery import CONTAINERS, Found, Stack, join
+from ln_lightning.placement.norms import norm_types
+
+_TRANSPARENT = (nn.Dropout, nn.Identity)
+MARKER = "ln_lightning_final_norm_of"  # attribute on a norm convert added: the stack's path
+
+
+class NotAdded(Exception):
+    """No final norm can be placed correctly; the message says why."""
+
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return not isinstance(m, (nn.ModuleList, nn.ModuleDict))
+
+
+def added_norm(model: nn.Module, stack: Stack) -> tuple[str, nn.Module] | None:
+    for path, m in model.named_modules():
+        if getattr(m, MARKER, None) == stack.path:
+            return path, m
+    owner, owner_path = _owner(model, stack)
+    if isinstance(owner, (nn.TransformerEncoder, nn.TransformerDecoder)) and getattr(owner, "_ln_lightning_added_norm", False):
+        return join(owner_path, "norm"), owner.norm
+    return None
+
+
+def _owner(model: nn.Module, stack: Stack) -> tuple[nn.Module | None, str]:
+    if not stack.path:
+        return None, ""
+    owner_path = stack.path.rpartition(".")[0]
+    return (model.get_submodule(owner_path) if owner_path else model), owner_path
+
+
+def _block_module_ids(found: Found) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for h in found.handlers:
+        for m in h.block.modules():
+            out.setdefault(id(m), h.path)
+    return out
+
+
+def detect(model: nn.Module, stack: Stack, found: Found) -> None:
+    """Set stack.final_norm / final_known / final_detail."""
+    added = added_norm(model, stack)
+    if added is not None:
+        stack.final_norm = added[0]
+        return
+    owner, owner_path = _owner(model, stack)
+    if isinstance(owner, (nn.TransformerEncoder, nn.TransformerDecoder)) and owner.layers is stack.container:
+        stack.final_norm = join(owner_path, "norm") if owner.norm is not None else None
+        return
+    if found.observation is not None:
+        _detect_observed(model, stack, found)
+        return
+    if stack.path == "" and not isinstance(stack.container, CONTAINERS):
+        stack.final_norm, stack.final_known, stack.final_detail = None, False, "the model is a single block"
+        return
+    _detect_traced(model, stack, found)
+
+
+def last_call(stack: Stack, found: Found):
+    calls = found.observation.rec.module_calls(stack.handlers[-1].block)
+    return calls[-1] if calls else None
+
+
+def _detect_observed(model: nn.Module, stack: Stack, found: Found) -> None:
+    from ln_lightning.placement.analysis import stream_input
+
+    rec = found.observation.rec
+    last = last_call(stack, found)
+    if last is None:
+        stack.final_norm, stack.final_known, stack.final_detail = None, False, "its last block did not run on the example input"
+        return
+    v = stream_output(last)
+    stack.final_norm = None
+    # Where another block takes this stream as its own, the residual stream goes on: it is not the end.
+    blocks = [h.block for h in found.handlers] + [model.get_submodule(u.path) for u in found.unrecognised]
+    stream_inputs = {}
+    for b in blocks:
+        for c in rec.module_calls(b):
+            if c.index > last.end:
+                stream_inputs.setdefault(stream_input(c), rec.paths[id(b)])
+    todo, seen = [v], {v}
+    while todo:
+        x = todo.pop(0)
+        if x in stream_inputs:
+            stack.continues_into = stream_inputs[x]
+            return
+        for r in rec.values[x].readers:
+            e = rec.events[r]
+            if e.index <= last.end:
+                continue  # inside the last block's own call
+            # Inside a module that started after the stack: its input was already taken below.
+            if any(f > last.end and not isinstance(rec.events[f].module, _TRANSPARENT) for f in e.frames):
+                continue
+            if e.kind == "module":
+                if isinstance(e.module, norm_types()):
+                    stack.final_norm = rec.paths[id(e.module)]
+                    return
+                if not isinstance(e.module, _TRANSPARENT):
+                    continue  # a head, a pooler: not a norm
+            for _, o in e.outputs:
+                if o not in seen:
+                    seen.add(o)
+                    todo.append(o)
+
+
+def _detect_traced(model: nn.Module, stack: Stack, found: Found) -> None:
+    owner, owner_path = _owner(model, stack)
+    block_ids = _block_module_ids(found)
+    types = norm_types()
+    if owner is not None:
+        last_name = stack.handlers[-1].path[len(owner_path) + 1:] if owner_path else stack.handlers[-1].path
+        container_name = stack.path[len(owner_path) + 1:] if owner_path else stack.path
+        try:
+            graph = _LeafTracer().trace(owner)
+        except Exception:  # noqa: BLE001 - most real code is not traceable; fall through
+            graph = None
+        if graph is not None:
+            nodes = [n for n in graph.nodes if n.op == "call_module" and n.target in (last_name, container_name)]
+            if nodes:
+                stack.final_norm = None
+                todo, seen = [nodes[-1]], {nodes[-1]}
+                while todo:
+                    n = todo.pop(0)
+                    for u in n.users:
+                        if u in seen:
+                            continue
+                        seen.add(u)
+                        if u.op == "call_module":
+                            m = owner.get_submodule(u.target)
+                            if isinstance(m, types):
+                                stack.final_norm = join(owner_path, u.target)
+                                return
+                            if not isinstance(m, _TRANSPARENT):
+                                continue
+                        if u.op in ("call_module", "call_function", "call_method"):
+                            todo.append(u)
+                return
+    outside = [p for p, m in model.named_modules() if isinstance(m, types) and id(m) not in block_ids]
+    if not outside:
+        stack.final_norm = None  # no norm outside the blocks anywhere: there can be no final norm
+        return
+    stack.final_known = False
+    stack.final_detail = (
+        f"the code around {stack.path or 'the model'} could not be traced and the model has norms outside its blocks "
+        f"({', '.join(outside[:3])}); pass example_input= so convert can run the model and see"
+    )
+
+
+def _holder(model: nn.Module, stack: Stack) -> tuple[nn.Module, str]:
+    parts = stack.path.split(".") if stack.path else []
+    for k in range(len(parts) - 1, -1, -1):
+        path = ".".join(parts[:k])
+        m = model.get_submodule(path) if path else model
+        if not isinstance(m, CONTAINERS):
+            return m, path
+    raise NotAdded(
+        f"every module above stack {stack.path or '<root>'} is a container (Sequential / ModuleList), which would run or "
+        "iterate an added norm as a layer; wrap the model in a module (class Wrapper(nn.Module)) and convert that"
+    )
+
+
+def add(model: nn.Module, stack: Stack, found: Found) -> str:
+    """Add and wire a final norm; raises NotAdded with the reason."""
+    owner, owner_path = _owner(model, stack)
+    template = next((h.output_norm() for h in reversed(stack.handlers) if h.output_norm() is not None), None)
+    if template is None:
+        template = stack.handlers[-1].norms()[-1]
+    # A copy of the norm that fed the head in the post-norm model: same class, eps and affine
+    # parameters, so the head keeps receiving features on the scale and offset it was trained with.
+    norm = copy.deepcopy(template)
+    hooks.undefer_norm(norm)
+    norm._forward_hooks.clear()
+    norm._forward_pre_hooks.clear()
+    if isinstance(owner, (nn.TransformerEncoder, nn.TransformerDecoder)) and owner.layers is stack.container:
+        owner.norm = norm
+        owner._ln_lightning_added_norm = True
+        return join(owner_path, "norm")
+    if stack.path == "":
+        raise NotAdded(
+            f"the model itself is the stack ({type(stack.container).__name__}); there is no module to hold a final norm "
+            "without renumbering its layers: wrap it in a module and convert that"
+        )
+    holder, holder_path = _holder(model, stack)
+    rel = stack.path[len(holder_path) + 1:] if holder_path else stack.path
+    name = f"{rel.replace('.', '_')}_final_norm"
+    if hasattr(holder, name):
+        raise NotAdded(f"{join(holder_path, name)} already exists")
+    last = stack.handlers[-1].block
+    hook_target, hook = last, hooks.ApplyFinalNorm(norm)
+    if found.observation is not None:
+        calls = found.observation.rec.module_calls(last)
+        if len(calls) > 1:
+            hook_target, hook = _exit_hook(model, stack, found, norm)
+            last.register_forward_hook(hook.tap)
+    setattr(norm, MARKER, stack.path)
+    holder.add_module(name, norm)
+    hook_target.register_forward_hook(hook)
+    return join(holder_path, name)
+
+
+def _exit_hook(model: nn.Module, stack: Stack, found: Found, norm: nn.Module):
+    rec = found.observation.rec
+    calls = rec.module_calls(stack.handlers[-1].block)
+    first, last = calls[0], calls[-1]
+    v = stream_output(last)
+    for f in reversed(last.frames):
+        e = rec.events[f]
+        if e.index > first.index or e.end < last.end:
+            continue  # does not hold every run of the shared block
+        if not any(o == v and len(w) <= 1 for w, o in e.outputs):
+            continue
+        if len(rec.module_calls(e.module)) != 1:
+            break
+        return e.module, hooks.ApplyFinalNormAtExit(norm, hooks.TapStream(), stack.path)
+    raise NotAdded(
+        f"its last block {stack.handlers[-1].path} runs {len(calls)} times per forward and no module returns its final "
+        "stream once, so there is no place where a final norm would run exactly once"
+    )
+
+
+def remove(model: nn.Module, stack: Stack) -> str | None:
+    owner, owner_path = _owner(model, stack)
+    if isinstance(owner, (nn.TransformerEncoder, nn.TransformerDecoder)) and getattr(owner, "_ln_lightning_added_norm", False):
+        owner.norm = None
+        del owner._ln_lightning_added_norm
+        return join(owner_path, "norm")
+    added = added_norm(model, stack)
+    if added is None:
+        return None
+    path, norm = added
+    for m in model.modules():
+        for d in (m._forward_hooks,):
+            for key in [k for k, h in d.items() if isinstance(h, (hooks.ApplyFinalNorm, hooks.ApplyFinalNormAtExit)) and h.norm is norm]:
+                hook = d.pop(key)
+                if isinstance(hook, hooks.ApplyFinalNormAtExit):
+                    for mm in model.modules():
+                        for k2 in [k for k, h in mm._forward_hooks.items() if h is hook.tap]:
+                            del mm._forward_hooks[k2]
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    del parent._modules[name]
+    return path
+
+
+def outside_uses(model: nn.Module, found: Found) -> dict[str, str]:
+    """block path -> reason, for blocks whose norm is also called outside the block's own calls."""
+    out: dict[str, str] = {}
+    if found.observation is None:
+        return out
+    rec = found.observation.rec
+    types = norm_types()
+    for h in found.handlers:
+        calls = rec.module_calls(h.block)
+        spans = [(c.index, c.end) for c in calls]
+        for m in h.block.modules():
+            if not isinstance(m, types):
+                continue
+            for e in rec.module_calls(m):
+                if not any(a <= e.index <= b for a, b in spans):
+                    out[h.path] = (
+                        f"its norm {rec.paths[id(m)]} is also called outside the block (for example as the model's final norm); "
+                        "moving it into the branch would change that call too: give the model its own final norm module"
+                    )
+    return out
