@@ -533,10 +533,10 @@ class LNPlacement(LayerSync, Callback):
         if stage == "fit" or needs_rewrite:
             self._check_strategy(trainer.strategy)
         # Runs before Lightning loads a ckpt_path (on every strategy), to refuse one written without the rewrite.
-        if not _is_guard(vars(pl_module).get("on_load_checkpoint")):
-            pl_module.on_load_checkpoint = functools.partial(
-                _guarded_on_load_checkpoint, self, pl_module, pl_module.on_load_checkpoint
-            )
+        # A guard left by a fit that failed before its teardown is replaced, not stacked or reused.
+        current = vars(pl_module).get("on_load_checkpoint")
+        original = current.args[2] if _is_guard(current) else pl_module.on_load_checkpoint
+        pl_module.on_load_checkpoint = functools.partial(_guarded_on_load_checkpoint, self, pl_module, original)
         if not needs_rewrite:
             self.rewrite(pl_module)  # already rewritten: the request must be the same function
         else:

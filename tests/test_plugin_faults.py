@@ -128,6 +128,10 @@ def test_model_rewritten_by_an_earlier_plugin_and_another_request_fails_at_fit_s
     with pytest.raises(ValueError, match=r"already rewritten to \(placement='pre'.*asks for .*" + list(other)[0]):
         _trainer(tmp_path / "b", [LNPlacement(fused=False, **other)]).fit(model, h.loader(8))
     assert all(torch.equal(before[k], v) for k, v in h.full_state(model).items())  # not trained
+    # The failed start leaves nothing that changes the next fit: the right request trains it.
+    trainer = _trainer(tmp_path / "c", [LNPlacement("pre", fused=False)])
+    trainer.fit(model, h.loader(8))
+    assert trainer.global_step == 2 and "on_load_checkpoint" not in vars(model)
 
 
 def test_model_converted_by_hand_and_another_request_fails_without_claiming_nothing_changed(tmp_path, caplog):
