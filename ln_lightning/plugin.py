@@ -425,9 +425,9 @@ class LNPlacement(LayerSync, Callback):
                     swaps.append(_swap_fused(added))
         self.swap_report = _merge_swaps(swaps)
         if report.blocks:  # nothing recognised (layers built later, in configure_model): try again then
-            # Markers on the owners of what changed (the root when only a final norm was added).
-            owners = {rewrite_record.owner_path(b.path) for b in report.converted} or ({""} if report.changed else set())
-            rewrite_record.record(model, self.config, added=report.added, owners=owners)
+            # Markers on the owners of what changed (none when nothing did: there is nothing to guard).
+            owners = None if report.changed else set()
+            rewrite_record.record(model, self.config, [b.path for b in report.converted], added=report.added, owners=owners)
         self.report = report
         self._report_pending = True
         return report

@@ -15,10 +15,17 @@ call :func:`record` the same way once it changes a model):
 
   - a strict load of a rewritten state_dict into the original model fails (``Unexpected key(s) ...
     ln_lightning_placement``) instead of computing the untrained post-norm function;
-  - a load-state-dict pre-hook on the owner refuses, with ``strict=False`` too, a state_dict written for
-    another configuration, and one without the marker (written before the rewrite) that holds weights
-    for the owner, unless the caller opts in explicitly: :func:`accept_unconverted` for a raw
-    ``load_state_dict``, ``LNPlacement(resume_unconverted=True)`` for a Trainer's ``ckpt_path``.
+  - a load-state-dict pre-hook on the owner and on every module above it refuses, before any weight is
+    copied and with ``strict=False`` too, a state_dict written for another configuration, and one without
+    the marker (written before the rewrite) that holds weights for the owner, unless the caller opts in
+    explicitly: :func:`accept_unconverted` for a raw ``load_state_dict``,
+    ``LNPlacement(resume_unconverted=True)`` for a Trainer's ``ckpt_path``.
+
+For ``convert`` to record itself (the one call it needs, when ``report.changed``)::
+
+    rewrite_record.record(model, {"placement": placement, "final_norm": final_norm, "branch_scale": branch_scale,
+                                  **({"layerscale_init": layerscale_init} if layerscale_init is not None else {})},
+                          [b.path for b in report.converted], added=report.added)
 
 Models rewritten by ``convert`` before it records anything are recognised by what the engine leaves
 (deferred norms, branch-scale modules) and their configuration is read back from their structure
@@ -74,14 +81,17 @@ def record(model: nn.Module, config: dict, block_paths: Iterable[str] = (), *, a
     """Record on `model` that it now computes `config`: the attribute, and a marker on each rewritten stack's owner.
 
     `block_paths`: the blocks the rewrite converted (``[b.path for b in report.converted]``); their owners get
-    the marker (or pass `owners`, module paths, directly; none: no marker, for a rewrite that changed nothing).
-    `added`: ``report.added``. Calling it again replaces the records.
+    the marker, or the root when only `added` (``report.added``) is non-empty; with neither (a rewrite that
+    changed nothing) no marker. `owners` (module paths) overrides that choice. Calling it again replaces
+    the records.
     """
     config = dict(config)
     setattr(model, CONFIG_ATTR, config)
     if added is not None:
         setattr(model, ADDED_ATTR, list(added))
-    paths = set(owners) if owners is not None else {owner_path(p) for p in block_paths}
+    if owners is None:  # the root holds the marker when the rewrite only added modules (a final norm)
+        owners = {owner_path(p) for p in block_paths} or ({""} if added else set())
+    paths = set(owners)
     for path in sorted(paths):
         _register_marker(model.get_submodule(path), config)
         # The guard sits on the owner and on every module above it: a load into any of them checks the
@@ -277,5 +287,5 @@ def applied_config(model: nn.Module) -> tuple[dict | None, str]:
     return (config, "inferred") if config is not None else (None, "")
 
 
-__all__ = ["MARKER", "record", "recorded_config", "applied_config", "infer_config", "accept_unconverted", "encode_config",
-           "decode_config"]
+__all__ = ["MARKER", "CONFIG_ATTR", "ADDED_ATTR", "record", "recorded_config", "recorded_added", "applied_config",
+           "infer_config", "accept_unconverted", "marker_owners", "owner_path", "encode_config", "decode_config"]
