@@ -170,6 +170,42 @@ def test_an_equivalent_request_proceeds_and_keeps_the_models_configuration(tmp_p
     assert ck[CHECKPOINT_KEY]["config"] == {"placement": "pre", "final_norm": True, "branch_scale": None}
 
 
+class _EncoderWithNormLM(LightningModule):
+    """A post-norm nn.TransformerEncoder that has its own final norm: final_norm=True adds none."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.emb = nn.Embedding(128, 32)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(32), enable_nested_tensor=False)
+        self.head = nn.Linear(32, 128)
+
+    def forward(self, idx):
+        return self.head(self.encoder(self.emb(idx)))
+
+
+def test_same_function_rules_for_scales_and_final_norm():
+    placement = LNPlacement("pre", branch_scale="depth", fused=False)
+    model = _lm()
+    placement.rewrite(model)
+    LNPlacement("pre", branch_scale=0.5, fused=False).rewrite(model)  # 1/sqrt(2*2 blocks): the same function
+    assert LNPlacement.applied_config(model)["branch_scale"] == "depth"
+    with pytest.raises(ValueError, match=r"branch_scale 'depth' is not 0\.25"):
+        LNPlacement("pre", branch_scale=0.25, fused=False).rewrite(model)
+    with pytest.raises(ValueError, match="final_norm=True added a final norm"):  # CharLM's final norm was added
+        LNPlacement("pre", branch_scale="depth", final_norm=False, fused=False).rewrite(model)
+    model = _lm()
+    LNPlacement("pre", branch_scale="layerscale", fused=False).rewrite(model)
+    with pytest.raises(ValueError, match="layerscale_init"):
+        LNPlacement("pre", branch_scale="layerscale", layerscale_init=0.5, fused=False).rewrite(model)
+    # A stack with its own final norm: final_norm True and False are the same function.
+    model = _EncoderWithNormLM()
+    report = LNPlacement("pre", fused=False).rewrite(model)
+    assert report.converted and not report.added
+    LNPlacement("pre", final_norm=False, fused=False).rewrite(model)
+    assert LNPlacement.applied_config(model)["final_norm"] is True
+
+
 class _NativePreLM(LightningModule):
     """Pre-norm from the start (torch's norm_first layers): no rewrite ever touched it."""
 
