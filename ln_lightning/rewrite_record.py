@@ -171,7 +171,11 @@ def _check_owner(owner: nn.Module, state_dict, prefix: str) -> None:
     if not any(k.startswith(prefix) for k in state_dict):
         return  # a partial load that holds nothing for this module's weights
     where = prefix.rstrip(".") or "<root>"
-    if getattr(owner, _ACCEPT_FLAG, False):
+    accepted = getattr(owner, _ACCEPT_FLAG, None)
+    if accepted is not None:
+        if accepted["warned"]:  # once per accept_unconverted block (the owner's ancestors check it too)
+            return
+        accepted["warned"] = True
         log.warning(
             "ln_lightning: loading a state_dict without the placement marker into %s, rewritten to %s "
             "(accept_unconverted): its weights come from a model without this rewrite, and this model computes "
@@ -192,24 +196,24 @@ def _check_owner(owner: nn.Module, state_dict, prefix: str) -> None:
 def accept_unconverted(model: nn.Module) -> Iterator[nn.Module]:
     """Let `model` (rewritten) load state_dicts saved without the rewrite, inside this block only.
 
-    Each such load logs a warning saying what it does. A state_dict written for *another* rewrite is still
-    refused.
+    The first such load in the block logs a warning saying what it does. A state_dict written for *another*
+    rewrite is still refused.
 
         with accept_unconverted(model):
             model.load_state_dict(post_norm_state_dict, strict=False)
     """
     owners = [m for _, m in marker_owners(model)]
-    previous = [getattr(m, _ACCEPT_FLAG, False) for m in owners]
+    previous = [vars(m).get(_ACCEPT_FLAG) for m in owners]
     for m in owners:
-        setattr(m, _ACCEPT_FLAG, True)
+        setattr(m, _ACCEPT_FLAG, {"warned": False})
     try:
         yield model
     finally:
         for m, old in zip(owners, previous):
-            if old:
+            if old is not None:
                 setattr(m, _ACCEPT_FLAG, old)
-            elif _ACCEPT_FLAG in vars(m):
-                delattr(m, _ACCEPT_FLAG)
+            else:
+                vars(m).pop(_ACCEPT_FLAG, None)
 
 
 # ---------------------------------------------------------------------------------------------- inference

@@ -243,7 +243,7 @@ def test_strict_false_load_of_unconverted_weights_into_a_rewritten_model_is_refu
     with caplog.at_level(logging.WARNING, logger="ln_lightning"):
         with ln_lightning.accept_unconverted(model):
             model.load_state_dict(plain, strict=False)
-    assert "accept_unconverted" in caplog.text
+    assert len([r for r in caplog.records if "accept_unconverted" in r.getMessage()]) == 1
     assert torch.equal(model.model.tok_emb.weight, plain["model.tok_emb.weight"])
     with pytest.raises(RuntimeError, match=MARKER):  # the opt-in ends with the block
         model.load_state_dict(plain, strict=False)
