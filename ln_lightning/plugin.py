@@ -169,6 +169,15 @@ def _placement_inspect(module: nn.Module) -> list[str]:
     return inspect_model(module).block_paths()
 
 
+def _uses_fused(model: nn.Module) -> bool:
+    """Whether the model's norms are ln_lightning's fused ones (what it computes with, whoever swapped them)."""
+    try:
+        from ln_lightning.norm import FusedLayerNorm
+    except ImportError:
+        return False
+    return any(isinstance(m, FusedLayerNorm) for m in model.modules())
+
+
 def _fmt(config: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
 
@@ -452,6 +461,9 @@ class LNPlacement(LayerSync, Callback):
                 f"LNPlacement: the model was already rewritten to ({_fmt(existing)}) ({how}); that is the function "
                 f"this LNPlacement ({_fmt(self.config)}) asks for, so it is trained as it is, and checkpoints "
                 "record its configuration."
+                + ("" if _uses_fused(model) == self.fused else
+                   f" Its norms stay {'fused' if _uses_fused(model) else 'torch.nn.LayerNorm'} (fused={self.fused} "
+                   "applies to the models this plugin rewrites).")
             )
 
     def _check_scale_applies(self, model: nn.Module) -> None:
@@ -607,7 +619,7 @@ class LNPlacement(LayerSync, Callback):
         checkpoint[CHECKPOINT_KEY] = {
             # What the model computes, whoever rewrote it (this plugin, an earlier one, or convert).
             "config": self.applied_config(pl_module) or self.config,
-            "fused": self.fused,
+            "fused": _uses_fused(pl_module),  # what the model runs, not what this plugin asked for
             "report": self.report.to_dict() if self.report is not None else None,
             "model_class": _qualified(type(pl_module)),  # load_converted checks the class it is given
         }

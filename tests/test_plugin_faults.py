@@ -166,8 +166,9 @@ def test_an_equivalent_request_proceeds_and_keeps_the_models_configuration(tmp_p
     model = _lm()
     _fit(tmp_path / "a", model, LNPlacement("pre", fused=False))
     # branch_scale=1.0 is the same function as None: the model is trained as it is, recorded as it was rewritten.
-    ck = _fit(tmp_path / "b", model, LNPlacement("pre", branch_scale=1.0, fused=False))
+    ck = _fit(tmp_path / "b", model, LNPlacement("pre", branch_scale=1.0))
     assert ck[CHECKPOINT_KEY]["config"] == {"placement": "pre", "final_norm": True, "branch_scale": None}
+    assert ck[CHECKPOINT_KEY]["fused"] is False  # the second plugin's fused=True default did not swap its norms
 
 
 class _EncoderWithNormLM(LightningModule):
