@@ -36,6 +36,7 @@ _EXPORTS = {
     "LNPlacement": "ln_lightning.plugin",
     "load_converted": "ln_lightning.plugin",
     "UnsupportedStrategyError": "ln_lightning.plugin",
+    "accept_unconverted": "ln_lightning.rewrite_record",
     # monitors
     "StreamNormMonitor": "ln_lightning.callbacks",
     "LayerNormInputMonitor": "ln_lightning.callbacks",

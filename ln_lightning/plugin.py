@@ -12,7 +12,9 @@ version-guarded wrapper) registers it, and rewrites the main process's model und
 from __future__ import annotations
 
 import functools
+import inspect
 import json
+import math
 import logging
 import os
 from pathlib import Path
@@ -32,19 +34,16 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ln_lightning import _lightning_patch
+from ln_lightning import _lightning_patch, rewrite_record
 from ln_lightning.placement import PlacementError, validate_options
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "ln_lightning"
 REPORT_FILENAME = "ln_placement_report.json"
-# A persistent uint8 buffer holding the placement config as JSON, registered on the module that owns each
-# rewritten stack. A converted state_dict therefore has a key an unconverted model lacks, so a plain strict
-# `load_state_dict` into the original model fails ("Unexpected key(s) ... ln_lightning_placement") instead
-# of silently computing the untrained post-norm function (post -> pre without a final norm adds no weights).
-MARKER = "ln_lightning_placement"
-_CONFIG_ATTR = "_ln_lightning_placement_config"  # set on the LightningModule once rewritten (pickles with it)
+# The marker and the config record are defined (and documented) in ln_lightning.rewrite_record.
+MARKER = rewrite_record.MARKER
+accept_unconverted = rewrite_record.accept_unconverted  # opt-in for a raw load_state_dict of unconverted weights
 
 # Strategies under which the rewrite is tested to take effect before checkpoint restore and optimizers.
 SUPPORTED_STRATEGIES: tuple[type[Strategy], ...] = (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy)
@@ -89,61 +88,6 @@ def _merge_swaps(swaps: list) -> dict | None:
         "skipped": [{"path": k.path, "reason": k.reason} for r in swaps for k in r.skipped],
         "backend": swaps[0].backend,
     }
-
-
-def _encode_config(config: dict) -> torch.Tensor:
-    return torch.tensor(list(json.dumps(config, sort_keys=True).encode()), dtype=torch.uint8)
-
-
-def _decode_config(tensor: torch.Tensor) -> dict | None:
-    try:
-        return json.loads(bytes(tensor.detach().cpu().to(torch.uint8).tolist()).decode())
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def _check_marker_on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """load_state_dict pre-hook on a rewritten module: refuse a state_dict written for another placement.
-
-    A state_dict without the marker (saved before the rewrite) is reported by torch itself as a missing key
-    under strict loading (torch passes no usable `strict` to this hook, so it adds nothing then); a marker
-    with another config is an error even with strict=False: those weights were trained for another function.
-    """
-    key = prefix + MARKER
-    if key not in state_dict:
-        return
-    mine, theirs = _decode_config(getattr(module, MARKER)), _decode_config(state_dict[key])
-    if theirs != mine:
-        error_msgs.append(
-            f"ln_lightning: the state_dict was saved from a model rewritten to {theirs}, but this model is rewritten "
-            f"to {mine}. Use the same LNPlacement options as the run that wrote it (they are stored in "
-            f"checkpoint['{CHECKPOINT_KEY}']['config']), or ln_lightning.load_converted(...)."
-        )
-
-
-def _register_marker(module: nn.Module, config: dict) -> None:
-    value = _encode_config(config)
-    ref = next(iter(module.buffers(recurse=True)), None)
-    device = ref.device if ref is not None and ref.device.type != "meta" else None
-    if device is None:
-        ref = next(iter(module.parameters()), None)
-        device = ref.device if ref is not None and ref.device.type != "meta" else torch.device("cpu")
-    if MARKER in module._buffers:
-        module._buffers[MARKER] = value.to(device)
-    else:
-        module.register_buffer(MARKER, value.to(device), persistent=True)
-    if not getattr(module, "_ln_lightning_load_hook", False):
-        if hasattr(module, "register_load_state_dict_pre_hook"):
-            module.register_load_state_dict_pre_hook(_check_marker_on_load)
-        else:  # torch < 2.5
-            module._register_load_state_dict_pre_hook(_check_marker_on_load, with_module=True)
-        module._ln_lightning_load_hook = True
-
-
-def _owner_path(block_path: str) -> str:
-    """'model.blocks.3' -> 'model' (the module holding the stack container 'model.blocks')."""
-    stack = block_path.rpartition(".")[0]
-    return stack.rpartition(".")[0]
 
 
 def _find_placements(trainer: Trainer) -> list["LNPlacement"]:
@@ -225,6 +169,98 @@ def _placement_inspect(module: nn.Module) -> list[str]:
     return inspect_model(module).block_paths()
 
 
+def _uses_fused(model: nn.Module) -> bool:
+    """Whether the model's norms are ln_lightning's fused ones (what it computes with, whoever swapped them)."""
+    try:
+        from ln_lightning.norm import FusedLayerNorm
+    except ImportError:
+        return False
+    return any(isinstance(m, FusedLayerNorm) for m in model.modules())
+
+
+def _fmt(config: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in config.items())
+
+
+def _pre_stacks(model: nn.Module) -> list:
+    from ln_lightning.placement import inspect_model
+
+    return [s for s in inspect_model(model).stacks if any(b.placement == "pre" for b in s.blocks)]
+
+
+def _scale_per_stack(config: dict, depths: list[int]) -> list[Any]:
+    """What each stack's branches are multiplied by under `config` (None and 1.0 are the same function)."""
+    bs = config.get("branch_scale")
+    if bs == "depth":
+        return [1.0 / math.sqrt(2 * d) for d in depths]
+    if bs is None:
+        return [1.0] * len(depths)
+    return [float(bs) if isinstance(bs, (int, float)) else bs] * len(depths)
+
+
+def _difference(existing: dict, request: dict, model: nn.Module, added: list[str] | None) -> str | None:
+    """Why a model rewritten to `existing` computes another function than `request` would give it; None if it doesn't."""
+    if existing.get("placement") != request["placement"]:
+        return f"placement {existing.get('placement')!r} is not {request['placement']!r}"
+    if request["placement"] != "pre":
+        return None  # "post" takes no other option that changes the function
+    stacks = None
+    if existing.get("branch_scale") != request["branch_scale"]:
+        stacks = _pre_stacks(model)
+        depths = [s.depth for s in stacks]
+        have, want = _scale_per_stack(existing, depths), _scale_per_stack(request, depths)
+        same = all(
+            (math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) and isinstance(b, float) else a == b)
+            for a, b in zip(have, want)
+        )
+        if not same:
+            return f"branch_scale {existing.get('branch_scale')!r} is not {request['branch_scale']!r}"
+    if request["branch_scale"] == "layerscale" and existing.get("layerscale_init") != request.get("layerscale_init"):
+        return (f"layerscale_init {existing.get('layerscale_init', 'unknown')!r} is not {request.get('layerscale_init')!r} "
+                "(the scales started from other values)")
+    if bool(existing.get("final_norm")) != request["final_norm"]:
+        stacks = stacks if stacks is not None else _pre_stacks(model)
+        finals = [s.final_norm for s in stacks]
+        if request["final_norm"]:  # the request adds a final norm wherever a stack has none
+            if any(f is None for f in finals):
+                return "final_norm=False left a stack without a final norm; final_norm=True would add one"
+        elif added is None or any(f in added for f in finals):  # unknown, or the rewrite added one
+            return "final_norm=True added a final norm that final_norm=False would not have"
+    return None
+
+
+def _takes_arguments(cls: type) -> bool:
+    try:
+        return bool(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):
+        return True
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _class_matches(cls: type, recorded: str) -> bool:
+    for c in cls.__mro__:
+        name = _qualified(c)
+        # A class defined in a script is recorded as __main__.X and imported elsewhere as module.X.
+        if name == recorded or ("__main__" in (c.__module__, recorded.rpartition(".")[0])
+                                and c.__qualname__ == recorded.rpartition(".")[2]):
+            return True
+    return False
+
+
+def _is_guard(fn: Any) -> bool:
+    return isinstance(fn, functools.partial) and fn.func is _guarded_on_load_checkpoint
+
+
+def _guarded_on_load_checkpoint(placement: "LNPlacement", module: LightningModule, original, checkpoint: dict) -> None:
+    if _is_guard(vars(module).get("on_load_checkpoint")):
+        del module.on_load_checkpoint  # back to the previous method (this runs once)
+    original(checkpoint)
+    placement._check_checkpoint(module, checkpoint)
+
+
 class LNPlacement(LayerSync, Callback):
     r"""Rewrite the LayerNorm placement of the model a Trainer fits (post-norm -> pre-norm by default).
 
@@ -249,6 +285,14 @@ class LNPlacement(LayerSync, Callback):
         layer_sync: another LayerSync plugin to compose with (applied after the rewrite, reverted at teardown).
         log_report: at fit start, rank 0 logs the report and writes ``ln_placement_report.json`` into the
             logger's directory (and, with a TensorBoard logger, a text summary).
+        resume_unconverted: let ``ckpt_path`` load a checkpoint written *without* the rewrite (no placement
+            marker: a plugin-less post-norm run) into the rewritten model. Off by default: those weights were
+            trained for another function, so such a checkpoint is refused at the start. On, it loads them
+            and warns what that means (parameters the rewrite added keep their fresh values).
+
+    A model that is already rewritten (by an earlier ``LNPlacement`` or by ``convert``) is trained as it
+    is when this ``LNPlacement`` asks for the same function (the configuration the model computes is what
+    checkpoints record); when it asks for another one, fit stops at the start naming both.
 
     Example::
 
@@ -285,9 +329,11 @@ class LNPlacement(LayerSync, Callback):
         sync_batchnorm: bool = False,
         layer_sync: LayerSync | None = None,
         log_report: bool = True,
+        resume_unconverted: bool = False,
     ):
         for name, value in (("final_norm", final_norm), ("fused", fused), ("strict", strict),
-                            ("sync_batchnorm", sync_batchnorm), ("log_report", log_report)):
+                            ("sync_batchnorm", sync_batchnorm), ("log_report", log_report),
+                            ("resume_unconverted", resume_unconverted)):
             if not isinstance(value, bool):
                 raise TypeError(f"LNPlacement: {name} must be True or False, got {value!r}.")
         if layer_sync is not None and not isinstance(layer_sync, LayerSync):
@@ -314,10 +360,12 @@ class LNPlacement(LayerSync, Callback):
         self.strict = strict
         self.example_input = example_input
         self.log_report = log_report
+        self.resume_unconverted = resume_unconverted
         self.layer_sync: LayerSync | None = TorchSyncBatchNorm() if sync_batchnorm else layer_sync
         self.report = None  # the ConversionReport of the last rewrite done in this process
         self.swap_report: dict | None = None  # what the fused swap did (None: fused=False or not available)
         self._report_pending = False  # a report not yet logged at a fit start
+        self._note: str | None = None  # a line to log at the next announce (a model rewritten before this plugin)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -338,19 +386,24 @@ class LNPlacement(LayerSync, Callback):
     # ------------------------------------------------------------------ the rewrite
     @staticmethod
     def applied_config(model: nn.Module) -> dict | None:
-        """The placement config a model was rewritten to by LNPlacement, or None."""
-        return getattr(model, _CONFIG_ATTR, None)
+        """The placement configuration `model` computes, or None if no rewrite touched it.
+
+        Read from the record a rewrite leaves on the model (``ln_lightning.rewrite_record``), or, for a model
+        converted by ``convert`` without one, from its structure.
+        """
+        return rewrite_record.applied_config(model)[0]
 
     def rewrite(self, model: nn.Module):
-        """Convert `model` in place (idempotent). Returns the ConversionReport, or None if it was already done."""
-        done = self.applied_config(model)
-        if done is not None:
-            if done != self.config:
-                raise ValueError(
-                    f"this model was already rewritten to {done}; LNPlacement asks for {self.config}. "
-                    "Use a fresh model, or the same options."
-                )
+        """Convert `model` in place. Returns the ConversionReport, or None if it was already rewritten.
+
+        A model already rewritten to the same function is kept as it is (and its configuration recorded);
+        one rewritten to another configuration raises ValueError naming both.
+        """
+        existing, source = rewrite_record.applied_config(model)
+        if existing is not None:
+            self._adopt(model, existing, source)
             return None
+        self._check_scale_applies(model)
         # Swap first: convert wraps each norm's own class (DeferredNorm), which the swap then leaves alone.
         swaps = [_swap_fused(model)] if self.fused else []
         example = self.example_input
@@ -380,15 +433,98 @@ class LNPlacement(LayerSync, Callback):
                 if type(added) is nn.LayerNorm:  # (convert may already build it with the swapped class)
                     swaps.append(_swap_fused(added))
         self.swap_report = _merge_swaps(swaps)
-        if report.changed:
-            owners = sorted({_owner_path(b.path) for b in report.converted} or {""})
-            for path in owners:
-                _register_marker(model.get_submodule(path), self.config)
+        if report.blocks:  # nothing recognised (layers built later, in configure_model): try again then
+            # Markers on the owners of what changed (none when nothing did: there is nothing to guard).
+            owners = None if report.changed else set()
+            rewrite_record.record(model, self.config, [b.path for b in report.converted], added=report.added, owners=owners)
         self.report = report
         self._report_pending = True
-        if report.blocks:  # nothing recognised (layers built later, in configure_model): try again then
-            setattr(model, _CONFIG_ATTR, dict(self.config))
         return report
+
+    def _adopt(self, model: nn.Module, existing: dict, source: str) -> None:
+        """A model rewritten before: refuse a request for another function, else record what it computes."""
+        reason = _difference(existing, self.config, model, rewrite_record.recorded_added(model))
+        how = "recorded on the model" if source == "recorded" else "read from its structure: rewritten by convert()"
+        if reason is not None:
+            raise ValueError(
+                f"LNPlacement: this model was already rewritten to ({_fmt(existing)}) ({how}), but this LNPlacement "
+                f"asks for ({_fmt(self.config)}): {reason}. Fitting would silently train the first configuration. "
+                f"Use a fresh, unconverted model with this LNPlacement, or ask for what the model computes: "
+                f"LNPlacement({_fmt(existing)})."
+            )
+        if source == "inferred":
+            # Record it, so checkpoints and markers say what the model computes, whoever rewrote it.
+            blocks = [b.path for s in _pre_stacks(model) for b in s.blocks if b.placement == "pre"]
+            rewrite_record.record(model, existing, blocks)
+        if self.report is None:  # this plugin did not rewrite it (a worker of ddp_spawn inherits the report)
+            self._note = (
+                f"LNPlacement: the model was already rewritten to ({_fmt(existing)}) ({how}); that is the function "
+                f"this LNPlacement ({_fmt(self.config)}) asks for, so it is trained as it is, and checkpoints "
+                "record its configuration."
+                + ("" if _uses_fused(model) == self.fused else
+                   f" Its norms stay {'fused' if _uses_fused(model) else 'torch.nn.LayerNorm'} (fused={self.fused} "
+                   "applies to the models this plugin rewrites).")
+            )
+
+    def _check_scale_applies(self, model: nn.Module) -> None:
+        # convert scales a branch only when it moves the branch's norm: a block already pre-norm keeps
+        # scale 1, which would leave the requested branch_scale silently unapplied there.
+        if self.placement != "pre" or self.branch_scale is None:
+            return
+        try:
+            from ln_lightning.placement import inspect_model
+
+            already = [b.path for b in inspect_model(model).blocks if b.placement == "pre"]
+        except Exception:  # convert reports what it can't read; this check is only about the scale
+            return
+        if already:
+            raise ValueError(
+                f"LNPlacement: branch_scale={self.branch_scale!r} can't be applied to {len(already)} block(s) that are "
+                f"already pre-norm ({', '.join(already[:3])}{', ...' if len(already) > 3 else ''}): convert scales a "
+                "branch only when it moves its norm. Drop branch_scale, or convert the model to post-norm first "
+                "(ln_lightning.convert(model, 'post'))."
+            )
+
+    def _check_checkpoint(self, module: LightningModule, checkpoint: dict) -> None:
+        """Before Lightning loads a ckpt_path into the rewritten model: one without the marker is refused or,
+        with resume_unconverted=True, loaded on purpose (markers and the rewrite's added weights filled in)."""
+        state = checkpoint.get("state_dict")
+        owners = rewrite_record.marker_owners(module)
+        if not isinstance(state, dict) or not owners:
+            return
+        missing = []
+        for name, _ in owners:
+            prefix = f"{name}." if name else ""
+            if prefix + MARKER not in state and any(k.startswith(prefix) for k in state):
+                missing.append(prefix + MARKER)
+        if not missing:
+            return  # markers present: the load-state-dict hook compares their configurations
+        config = self.applied_config(module)
+        trainer = getattr(module, "_trainer", None)
+        where = getattr(trainer, "ckpt_path", None) or "the checkpoint"
+        if not self.resume_unconverted:
+            raise RuntimeError(
+                f"LNPlacement: {where} was written without the placement rewrite (no '{MARKER}' entry): its weights "
+                f"were trained for the model before the rewrite, and this model is rewritten to ({_fmt(config or {})}), "
+                "which computes another function with them. To migrate a trained post-norm model, load its weights "
+                "into the unconverted model and fit with LNPlacement without ckpt_path; to load this checkpoint into "
+                "the rewritten model on purpose, pass LNPlacement(..., resume_unconverted=True)."
+            )
+        own = module.state_dict()
+        for key in missing:
+            state[key] = own[key].detach().cpu().clone()
+        added = rewrite_record.recorded_added(module) or []
+        fresh = [k for k in own if k not in state and any(k == a or k.startswith(a + ".") for a in added)]
+        for key in fresh:
+            state[key] = own[key].detach().cpu().clone()
+        rank_zero_warn(
+            f"LNPlacement(resume_unconverted=True): {where} was written without the placement rewrite; its weights are "
+            f"loaded into the model rewritten to ({_fmt(config or {})}), which computes "
+            f"{(config or {}).get('placement')}-norm with them from the first step, not the function they were "
+            "trained for."
+            + (f" Parameters the rewrite added keep their fresh values ({', '.join(fresh)}); the checkpoint's "
+               "optimizer state has no entries for them, so resuming the optimizer can fail." if fresh else "")
+        )
 
     def _check_strategy(self, strategy: Strategy) -> None:
         if type(strategy) in SUPPORTED_STRATEGIES:
@@ -408,7 +544,14 @@ class LNPlacement(LayerSync, Callback):
         needs_rewrite = self.applied_config(pl_module) is None
         if stage == "fit" or needs_rewrite:
             self._check_strategy(trainer.strategy)
-        if needs_rewrite:
+        # Runs before Lightning loads a ckpt_path (on every strategy), to refuse one written without the rewrite.
+        # A guard left by a fit that failed before its teardown is replaced, not stacked or reused.
+        current = vars(pl_module).get("on_load_checkpoint")
+        original = current.args[2] if _is_guard(current) else pl_module.on_load_checkpoint
+        pl_module.on_load_checkpoint = functools.partial(_guarded_on_load_checkpoint, self, pl_module, original)
+        if not needs_rewrite:
+            self.rewrite(pl_module)  # already rewritten: the request must be the same function
+        else:
             lazy = _overrides_configure_model(pl_module)
             try:
                 self.rewrite(pl_module)
@@ -424,7 +567,14 @@ class LNPlacement(LayerSync, Callback):
                 return
         self._announce(trainer, stage, needs_rewrite)
 
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if _is_guard(vars(pl_module).get("on_load_checkpoint")):  # no ckpt_path was loaded: remove the one-shot guard
+            del pl_module.on_load_checkpoint
+
     def _announce(self, trainer: Trainer, stage: str, rewrote: bool) -> None:
+        if self._note is not None:
+            rank_zero_info(self._note)
+            self._note = None
         if stage == "fit" and self.log_report and self._report_pending:
             self._log_report(trainer)
         elif rewrote and self.report is not None:
@@ -467,9 +617,11 @@ class LNPlacement(LayerSync, Callback):
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         checkpoint[CHECKPOINT_KEY] = {
+            # What the model computes, whoever rewrote it (this plugin, an earlier one, or convert).
             "config": self.applied_config(pl_module) or self.config,
-            "fused": self.fused,
+            "fused": _uses_fused(pl_module),  # what the model runs, not what this plugin asked for
             "report": self.report.to_dict() if self.report is not None else None,
+            "model_class": _qualified(type(pl_module)),  # load_converted checks the class it is given
         }
 
     # ------------------------------------------------------------------ LayerSync (DDP / FSDP strategies)
@@ -491,6 +643,33 @@ class LNPlacement(LayerSync, Callback):
         return model
 
 
+def _read_checkpoint(path: Path, map_location: Any) -> dict:
+    """torch.load, with every way a file can fail to be a checkpoint turned into one message naming it."""
+    if not path.exists():
+        raise FileNotFoundError(f"load_converted: {path} does not exist.")
+    if path.is_dir():
+        raise ValueError(
+            f"load_converted: {path} is a directory (a distributed checkpoint); consolidate it into one file first, "
+            "e.g. ModelParallelStrategy(save_distributed_checkpoint=False), or "
+            "`python -m lightning.fabric.utilities.consolidate_checkpoint PATH`."
+        )
+    if path.stat().st_size == 0:
+        raise ValueError(f"load_converted: {path} is empty (0 bytes), not a checkpoint (was its run killed while saving?).")
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as err:  # zip/pickle/EOF/unpickling errors: one message, not torch's internals
+        raise ValueError(
+            f"load_converted: cannot read {path} as a PyTorch checkpoint: {type(err).__name__}: {str(err).rstrip('.')}. It may be "
+            "truncated (a run killed while saving) or another kind of file."
+        ) from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict", checkpoint), dict):
+        raise ValueError(
+            f"load_converted: {path} holds a {type(checkpoint).__name__}, not a checkpoint (a dict with a "
+            "'state_dict', or a state_dict)."
+        )
+    return checkpoint
+
+
 def load_converted(
     model: type[nn.Module] | nn.Module,
     checkpoint_path: str | os.PathLike,
@@ -502,49 +681,83 @@ def load_converted(
 ) -> nn.Module:
     """Load a checkpoint written by a run with `LNPlacement` into the original model class, for inference.
 
-    ``model`` is the class (a LightningModule is built from the checkpoint's hyperparameters, updated with
-    ``model_kwargs``; another nn.Module class from ``model_kwargs``) or an instance. The placement rewrite
-    recorded in the checkpoint is applied before the weights are loaded (strictly); returns the model in
-    eval mode.
+    ``model`` is the class or an instance. A LightningModule class is built from the checkpoint's
+    hyperparameters (``save_hyperparameters()``), updated with ``model_kwargs``; a checkpoint without them
+    needs ``model_kwargs`` or an instance (building with the defaults could give another model whose
+    weights happen to fit, so it is refused). Another nn.Module class is built from ``model_kwargs``. The
+    class must be the one the checkpoint records (or a subclass). The placement rewrite recorded in the
+    checkpoint is applied before the weights are loaded (strictly); returns the model in eval mode.
 
     Example::
 
         model = load_converted(CharLM, "lightning_logs/version_0/checkpoints/last.ckpt")
     """
     path = Path(checkpoint_path)
-    if path.is_dir():
-        raise ValueError(
-            f"{path} is a directory (a distributed checkpoint); consolidate it into one file first, e.g. "
-            "ModelParallelStrategy(save_distributed_checkpoint=False), or "
-            "`python -m lightning.fabric.utilities.consolidate_checkpoint PATH`."
-        )
-    checkpoint = torch.load(path, map_location=map_location, weights_only=False)
+    checkpoint = _read_checkpoint(path, map_location)
     state_dict = checkpoint.get("state_dict", checkpoint)
     info = checkpoint.get(CHECKPOINT_KEY)
-    config = info["config"] if info else None
+    info = info if isinstance(info, dict) else {}
+    config = info.get("config")
     if config is None:
         markers = [k for k in state_dict if k.rpartition(".")[2] == MARKER]
         if not markers:
             raise ValueError(
-                f"{path} records no placement rewrite (no checkpoint['{CHECKPOINT_KEY}'] and no '{MARKER}' entry); "
-                "load it the usual way (Model.load_from_checkpoint / load_state_dict)."
+                f"load_converted: {path} records no placement rewrite (no checkpoint['{CHECKPOINT_KEY}'] and no "
+                f"'{MARKER}' entry); load it the usual way (Model.load_from_checkpoint / load_state_dict)."
             )
-        config = _decode_config(state_dict[markers[0]])
+        config = rewrite_record.decode_config(state_dict[markers[0]])
+        if config is None:
+            raise ValueError(f"load_converted: {path}: the '{markers[0]}' entry is not a placement record.")
+    recorded_class = info.get("model_class")
+    cls = model if isinstance(model, type) else type(model)
+    if recorded_class and not _class_matches(cls, recorded_class):
+        raise ValueError(
+            f"load_converted: {path} was written from {recorded_class}, not {_qualified(cls)}: its weights (and "
+            f"hyperparameters) belong to that class. Pass {recorded_class.rpartition('.')[2]} or an instance of it."
+        )
     if isinstance(model, type):
+        source = "model_kwargs"
         if issubclass(model, LightningModule):
-            hparams = dict(checkpoint.get(LightningModule.CHECKPOINT_HYPER_PARAMS_KEY, {}))
-            hparams = {k: v for k, v in hparams.items() if not k.startswith("_")}
-            hparams.update(model_kwargs)
-            model = model(**hparams)
+            hparams = checkpoint.get(LightningModule.CHECKPOINT_HYPER_PARAMS_KEY) or {}
+            kwargs = {k: v for k, v in dict(hparams).items() if not k.startswith("_")}
+            if kwargs:
+                source = "the hyperparameters stored in the checkpoint" + (" and model_kwargs" if model_kwargs else "")
+            elif not model_kwargs and _takes_arguments(model):
+                raise ValueError(
+                    f"load_converted: {path} stores no hyperparameters (the module did not call "
+                    f"self.save_hyperparameters()), so {model.__name__} would be built with its constructor defaults, "
+                    "which may describe another model whose weights happen to fit. Pass an instance, "
+                    f"load_converted({model.__name__}(...), path), or the constructor arguments, "
+                    f"load_converted({model.__name__}, path, d_model=..., ...)."
+                )
+            kwargs.update(model_kwargs)
         else:
-            model = model(**model_kwargs)
+            if not model_kwargs and _takes_arguments(model):
+                raise ValueError(
+                    f"load_converted: {model.__name__} is a plain nn.Module class and a checkpoint stores no constructor "
+                    f"arguments for it; pass them (load_converted({model.__name__}, path, ...)) or an instance."
+                )
+            kwargs = dict(model_kwargs)
+        try:
+            model = model(**kwargs)
+        except TypeError as err:
+            raise TypeError(
+                f"load_converted: building {model.__name__}(**{sorted(kwargs)}) from {source} ({path}) failed: {err}."
+                + (f" The checkpoint was written from {recorded_class}." if recorded_class else
+                   " Is it a checkpoint of this class?")
+            ) from None
     elif model_kwargs:
-        raise TypeError(f"model_kwargs {sorted(model_kwargs)} are only used when `model` is a class")
-    LNPlacement(**config, fused=fused, log_report=False).rewrite(model)
+        raise TypeError(f"load_converted: model_kwargs {sorted(model_kwargs)} are only used when `model` is a class")
+    try:
+        placement = LNPlacement(**config, fused=fused, log_report=False)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"load_converted: {path} records a placement configuration LNPlacement can't build: {err}") from None
+    placement.rewrite(model)
     if isinstance(model, LightningModule):
         model.on_load_checkpoint(checkpoint)
     model.load_state_dict(state_dict, strict=strict)
     return model.eval()
 
 
-__all__ = ["LNPlacement", "load_converted", "UnsupportedStrategyError", "SUPPORTED_STRATEGIES", "MARKER", "CHECKPOINT_KEY"]
+__all__ = ["LNPlacement", "load_converted", "accept_unconverted", "UnsupportedStrategyError", "SUPPORTED_STRATEGIES", "MARKER",
+           "CHECKPOINT_KEY"]

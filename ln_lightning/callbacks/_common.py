@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 # Path components that wrappers insert between a LightningModule and the user's modules.
@@ -100,7 +100,8 @@ class MonitorBase(Callback):
     family = ""  # metric prefix, "stream" / "ln" / "clip"
 
     def __init__(self, every_n_steps: int | None = None, log_depth_profile: bool = True):
-        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
+        # bool is an int subclass: every_n_steps=True would silently mean "every step".
+        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be a positive int or None (trainer.log_every_n_steps), got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
         self.log_depth_profile = log_depth_profile
@@ -159,14 +160,18 @@ class MonitorBase(Callback):
     def _log(self, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
         if not trainer.is_global_zero or not metrics:
             return
+        if not trainer.loggers:
+            _say_once(trainer, "no_logger", f"ln_lightning monitors: the Trainer has no logger (logger=False), so "
+                      f"{type(self).__name__}'s metrics are computed but recorded nowhere; pass a logger "
+                      "(TensorBoardLogger, CSVLogger, ...) to keep them.")
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
     def _depth_profile(self, trainer: Trainer, tag: str, step: int, **plot_kwargs) -> None:
-        """Log a depth-profile image to every logger whose experiment is a TensorBoard SummaryWriter."""
+        """Log a depth-profile image to every logger that takes images (a TensorBoard SummaryWriter)."""
         if not (self.log_depth_profile and trainer.is_global_zero and trainer.loggers):
             return
-        writers = [w for w in (getattr(lg, "experiment", None) for lg in trainer.loggers) if callable(getattr(w, "add_image", None))]
+        writers = _image_writers(trainer)
         if not writers:
             return
         try:
@@ -181,17 +186,53 @@ class MonitorBase(Callback):
             return
         if self._profile_plot is None:
             self._profile_plot = DepthProfilePlot()
-        png, height, width = self._profile_plot.render_png(**plot_kwargs)
-        for writer in writers:
-            file_writer = getattr(writer, "_get_file_writer", None)
-            if callable(file_writer):
-                # The PNG is already encoded (palette, fast zlib): hand it over as an image summary, as add_image would.
-                from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: PLC0415
+        try:
+            png, height, width = self._profile_plot.render_png(**plot_kwargs)
+            for writer in writers:
+                get_file_writer = getattr(writer, "_get_file_writer", None)
+                file_writer = get_file_writer() if callable(get_file_writer) else None
+                if file_writer is not None:
+                    # The PNG is already encoded (palette, fast zlib): hand it over as an image summary, as add_image would.
+                    from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: PLC0415
 
-                image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
-                file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
-            else:
-                writer.add_image(tag, self._profile_plot.render(**plot_kwargs), global_step=step, dataformats="HWC")
+                    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
+                    file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+                else:
+                    writer.add_image(tag, self._profile_plot.render(**plot_kwargs), global_step=step, dataformats="HWC")
+        except Exception as err:  # an image must never stop training: turn images off, keep the scalars
+            rank_zero_warn(f"{type(self).__name__}: logging the depth-profile image failed ({type(err).__name__}: {err}); "
+                           "images are off for the rest of this run, scalars are still logged.")
+            self.log_depth_profile = False
+
+
+def _say_once(trainer: Trainer, key: str, message: str) -> None:
+    """One info line per Trainer and topic, however many monitors run into it."""
+    said = trainer.__dict__.setdefault("_ln_lightning_said", set())
+    if key not in said:
+        said.add(key)
+        rank_zero_info(message)
+
+
+def _image_writers(trainer: Trainer) -> list[Any]:
+    """The loggers' experiments that take images; one message names the loggers that don't."""
+    from lightning.pytorch.loggers.logger import DummyLogger  # noqa: PLC0415
+
+    writers, others = [], []
+    for logger in trainer.loggers:
+        if isinstance(logger, DummyLogger):
+            continue  # fast_dev_run: Lightning turned logging off, and said so
+        try:
+            experiment = logger.experiment
+        except Exception:  # a logger whose experiment can't start here gets scalars only, through log_metrics
+            experiment = None
+        if callable(getattr(experiment, "add_image", None)):
+            writers.append(experiment)
+        else:
+            others.append(type(logger).__name__)
+    if others:
+        _say_once(trainer, "no_images", f"ln_lightning monitors: {', '.join(sorted(set(others)))} takes no images, so the "
+                  "depth-profile images are skipped there (the scalars are logged); a TensorBoardLogger shows them.")
+    return writers
 
 
 def metric_safe(name: str) -> str:

@@ -391,7 +391,8 @@ class ClipAttributionMonitor(MonitorBase):
 
         current = group_sq(last)
         total_sq = sum(current)
-        total = math.sqrt(total_sq) if math.isfinite(total_sq) else float("nan")
+        # As clip_grad_norm_: inf when a gradient is infinite, NaN only when one is NaN (sqrt keeps both).
+        total = math.sqrt(total_sq)
         metrics: dict[str, float] = {"clip/total_norm": total}
         shares: list[float] = []
         if math.isfinite(total_sq) and total_sq > 0:

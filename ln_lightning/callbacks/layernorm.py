@@ -49,7 +49,7 @@ class LayerNormInputMonitor(MonitorBase):
     ``x + residual``: the tensor they actually normalise.
 
     Args:
-        norm_classes: extra module classes to monitor; they must have ``normalized_shape`` and ``eps``
+        norm_classes: extra module classes to monitor (a class or a sequence of them); they must have ``normalized_shape`` and ``eps``
             attributes with ``nn.LayerNorm``'s meaning.
         every_n_steps: logging interval in optimizer steps; ``None`` uses ``trainer.log_every_n_steps``.
         warn_amp_fraction: warn when ``amp_max > warn_amp_fraction / sqrt(eps)``; ``None`` disables warnings.
@@ -74,6 +74,10 @@ class LayerNormInputMonitor(MonitorBase):
         log_depth_profile: bool = True,
     ):
         super().__init__(every_n_steps, log_depth_profile)
+        if isinstance(norm_classes, type):  # one class given where a sequence is expected
+            norm_classes = (norm_classes,)
+        if isinstance(norm_classes, str) or not isinstance(norm_classes, (tuple, list, set, frozenset)):
+            raise TypeError(f"norm_classes must be a sequence of nn.Module subclasses, got {norm_classes!r}")
         for cls in norm_classes:
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
                 raise TypeError(f"norm_classes must be nn.Module subclasses, got {cls!r}")
