@@ -452,8 +452,9 @@ class LNPlacement(LayerSync, Callback):
                 f"Use a fresh, unconverted model with this LNPlacement, or ask for what the model computes: "
                 f"LNPlacement({_fmt(existing)})."
             )
-        if source == "inferred":
-            # Record it, so checkpoints and markers say what the model computes, whoever rewrote it.
+        if source == "inferred" or not rewrite_record.marker_owners(model):
+            # Record it (convert() records the configuration, not the marker), so checkpoints and markers say
+            # what the model computes, whoever rewrote it.
             blocks = [b.path for s in _pre_stacks(model) for b in s.blocks if b.placement == "pre"]
             rewrite_record.record(model, existing, blocks)
         if self.report is None:  # this plugin did not rewrite it (a worker of ddp_spawn inherits the report)

@@ -294,7 +294,25 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
         report.output_change, report.output_change_scope = 0.0, "model" if model_before is not None else "blocks"
     preserved = report.output_change is not None and report.output_change <= PRESERVE_TOLERANCE
     report.preserves_function = preserved and not report.added and not report.removed
+    if report.changed:
+        _record(model, placement, final_norm, branch_scale, layerscale_init, report)
     return report
+
+
+def _record(model, placement, final_norm, branch_scale, layerscale_init, report: ConversionReport) -> None:
+    """Say on the model what it now computes (ln_lightning.rewrite_record), so LNPlacement and
+    checkpoints can tell a hand-converted model from a fresh one. The marker buffer is LNPlacement's."""
+    from ln_lightning import rewrite_record
+
+    if placement == "pre":
+        config = {"placement": "pre", "final_norm": final_norm, "branch_scale": branch_scale}
+        if layerscale_init is not None:
+            config["layerscale_init"] = layerscale_init
+        added = (rewrite_record.recorded_added(model) or []) + [a for a in report.added if a not in (rewrite_record.recorded_added(model) or [])]
+        rewrite_record.record(model, config, added=added, owners=())
+    elif not any(b.after == "pre" for b in report.blocks):
+        for attr in (rewrite_record.CONFIG_ATTR, rewrite_record.ADDED_ATTR):
+            model.__dict__.pop(attr, None)  # back to the model as it was written
 
 
 def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_reason, captured, observed, report) -> BlockChange:
