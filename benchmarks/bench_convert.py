@@ -2,7 +2,7 @@
 
     python benchmarks/bench_convert.py [--blocks 96] [--width 256] [--json out.json]
 
-Times the demo post-norm LM (hand-written blocks, read by tracing) and an nn.TransformerEncoder,
+Times the demo post-norm LM (hand-written blocks, read from a recorded forward) and an nn.TransformerEncoder,
 each converted to pre-norm with every block's probe check, median of a few runs.
 """
 
@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     builders = {
-        "PostNormTransformerLM (traced blocks)": lambda: PostNormTransformerLM(128, args.width, args.blocks, 4, 64),
+        "PostNormTransformerLM (observed blocks)": lambda: PostNormTransformerLM(128, args.width, args.blocks, 4, 64),
         "nn.TransformerEncoder": lambda: nn.TransformerEncoder(
             nn.TransformerEncoderLayer(args.width, 4, 4 * args.width, batch_first=True), args.blocks, enable_nested_tensor=False
         ),
