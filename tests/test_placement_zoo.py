@@ -81,11 +81,10 @@ def _families() -> list[Family]:
                                       "layer", "transformer.layer_final_norm")}),
         Family("albert (one layer shared by 3)", lambda: T.AlbertModel(T.AlbertConfig(embedding_size=16, **{**H, "num_hidden_layers": 3}, **NO_DROP)),
                lambda: {"input_ids": _ids()},
-               {"encoder.albert_layer_groups": (
-                   [("albert_layers.0.attention.LayerNorm", [("albert_layers.0.attention.query", (0,), ()), ("albert_layers.0.attention.key", (0,), ()),
-                                                             ("albert_layers.0.attention.value", (0,), ())]),
-                    ("albert_layers.0.full_layer_layer_norm", [("albert_layers.0.ffn", (0,), ())])],
-                   "encoder", "encoder.albert_layer_groups_final_norm")}),
+               {"encoder.albert_layer_groups.0.albert_layers": (
+                   [("attention.LayerNorm", [("attention.query", (0,), ()), ("attention.key", (0,), ()), ("attention.value", (0,), ())]),
+                    ("full_layer_layer_norm", [("ffn", (0,), ())])],
+                   "encoder", "encoder.albert_layer_groups.0.albert_layers_final_norm")}),
         Family("bart", lambda: T.BartModel(T.BartConfig(**SEQ2SEQ)), lambda: {"input_ids": _ids(), "decoder_input_ids": _ids(5)},
                {"encoder.layers": (ENC_LAYER, "layer", "encoder.layers_final_norm"), "decoder.layers": (DEC_LAYER, "layer", "decoder.layers_final_norm")},
                "MBartModel"),

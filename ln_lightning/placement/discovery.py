@@ -270,13 +270,23 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
     types = norm_types()
     stacks: dict[str, Stack] = {}
 
+    def count() -> int:
+        return len(found.unrecognised) + sum(len(s.handlers) for s in stacks.values())
+
     def attempt(child: nn.Module, cpath: str, container_path: str, report: bool) -> None:
+        if not _always_a_candidate(child) and _holds_a_stack(child):
+            # A wrapper around a container of blocks (a `Stack` holding `blocks`, ALBERT's layer group,
+            # T5's block of sublayer modules): the blocks are the ones inside.
+            before = count()
+            visit(child, cpath)
+            if count() > before:
+                return
         try:
             h = _handler(child, cpath, run)
         except Unrecognised as e:
-            before = len(found.unrecognised) + sum(len(s.handlers) for s in stacks.values())
+            before = count()
             visit(child, cpath)
-            if report and before == len(found.unrecognised) + sum(len(s.handlers) for s in stacks.values()):
+            if report and before == count():
                 found.unrecognised.append(SkippedModule(cpath, type(child).__name__, str(e)))
             return
         st = stacks.get(container_path)
@@ -303,6 +313,15 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
         visit(model, "")
     found.stacks = sorted(stacks.values(), key=lambda s: s.path)
     return found
+
+
+def _holds_a_stack(m: nn.Module) -> bool:
+    types = norm_types()
+    for sub in m.modules():
+        if sub is not m and isinstance(sub, CONTAINERS):
+            if any(not isinstance(c, types) and _contains_norm(c) for c in sub.children()):
+                return True
+    return False
 
 
 def _always_a_candidate(m: nn.Module) -> bool:
