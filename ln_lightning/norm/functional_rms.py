@@ -1,0 +1,124 @@
+"""Functional fused RMSNorm: ``rms_norm`` and ``fused_add_rms_norm``."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _backend, _rms_common, _rms_torch_ops
+from .functional import _check_input
+
+_triton_rms = None
+
+
+def _ops(backend: str):
+    """The forward op for a resolved backend: the ``torch.library`` op while torch.compile traces,
+    the equivalent ``autograd.Function`` in eager mode. Imports triton only when it is used."""
+    global _triton_rms
+    compiling = torch.compiler.is_compiling()
+    if backend == "torch":
+        return _rms_torch_ops.add_rms_norm if compiling else _rms_torch_ops.add_rms_norm_eager
+    if _triton_rms is None:
+        from . import _triton_rms as module
+
+        _triton_rms = module
+    return _triton_rms.triton_add_rms_norm if compiling else _triton_rms.triton_add_rms_norm_eager
+
+
+def _normalized_shape(x: Tensor, weight: Optional[Tensor], normalized_shape) -> tuple[int, ...]:
+    if normalized_shape is None:
+        normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],)
+    elif isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    shape = tuple(int(s) for s in normalized_shape)
+    k = len(shape)
+    if k == 0 or x.dim() < k or tuple(x.shape[-k:]) != shape:
+        raise ValueError(
+            f"RMSNorm over normalized_shape {shape} needs an input whose last {k} dims are {shape}, "
+            f"got input of shape {tuple(x.shape)}"
+        )
+    if weight is not None and tuple(weight.shape) != shape:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} but normalized_shape is {shape}")
+    return shape
+
+
+def fused_add_rms_norm(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    eps: Optional[float] = None,
+    *,
+    residual_in_fp32: bool = False,
+    weight_offset: float = 0.0,
+    cast_order: str = "fp32",
+    normalized_shape: Optional[Sequence[int]] = None,
+    backend: Optional[str] = None,
+) -> tuple[Tensor, Tensor]:
+    """``new_residual = x + residual``; ``y = rms_norm(new_residual)``; returns ``(y, new_residual)``.
+
+    One pass forward and one backward, as :func:`~ln_lightning.norm.fused_add_layer_norm`: the
+    gradient arriving at ``new_residual`` is added to the norm's input gradient in the same pass.
+
+    Args:
+        x: the sublayer output (any shape ``(..., *normalized_shape)``).
+        residual: the residual stream, same shape as ``x``, or ``None`` (a plain RMSNorm;
+            ``new_residual`` is then ``x`` itself, or its float32 copy with ``residual_in_fp32``).
+        weight: of shape ``normalized_shape``, or ``None``.
+        eps: added to the mean square; ``None`` uses ``torch.finfo(x.dtype).eps`` (nn.RMSNorm's rule).
+        residual_in_fp32: keep ``new_residual`` in float32 (summed in float32 too).
+        weight_offset: the weight is applied as ``weight_offset + weight`` (``1.0`` for Gemma's ``1 + w``).
+        cast_order: ``"fp32"`` (``(n * w).to(x.dtype)``, nn.RMSNorm / Gemma / OLMo 2), ``"llama"``
+            (``w * n.to(x.dtype)``) or ``"t5"`` (``w * n.to(w.dtype)`` for a half ``w``); it decides
+            the rounding and the output dtype for half inputs, exactly as those modules do.
+        normalized_shape: defaults to ``weight.shape`` (``x.shape[-1:]`` without weight).
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (``"cpu"``); ``None`` follows
+            :func:`~ln_lightning.norm.norm_backend` / ``LN_LIGHTNING_NORM_BACKEND``.
+
+    Statistics are float32 (float64 for float64 input).
+
+    Example::
+
+        >>> import torch
+        >>> from ln_lightning.norm import fused_add_rms_norm
+        >>> x, stream, w = torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.rand(16)
+        >>> y, new_stream = fused_add_rms_norm(x, stream, w, 1e-6)
+        >>> torch.equal(new_stream, x + stream)
+        True
+        >>> torch.allclose(y, torch.nn.functional.rms_norm(x + stream, (16,), w, 1e-6), atol=1e-5)
+        True
+    """
+    _check_input(x, residual)
+    _rms_common.check_cast(cast_order)
+    shape = _normalized_shape(x, weight, normalized_shape)
+    hidden = math.prod(shape)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    name = _backend.resolve_backend(x, _backend.canonical_backend(backend))
+    if name == "triton" and residual is not None and residual.dtype not in _backend.TRITON_DTYPES:
+        name = _backend.resolve_backend(residual, _backend.canonical_backend(backend))
+    stored = _rms_common.stores_residual(x, residual, residual_in_fp32)
+    x2 = x.reshape(-1, hidden).contiguous()
+    r2 = None if residual is None else residual.reshape(-1, hidden).contiguous()
+    w = None if weight is None else weight.reshape(-1)
+    y, residual_out, _rstd = _ops(name)(x2, r2, w, float(eps), residual_in_fp32, float(weight_offset), cast_order)
+    return y.view(x.shape), (residual_out.view(x.shape) if stored else x)
+
+
+def rms_norm(
+    x: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Optional[Tensor] = None,
+    eps: Optional[float] = None,
+    *,
+    weight_offset: float = 0.0,
+    cast_order: str = "fp32",
+    backend: Optional[str] = None,
+) -> Tensor:
+    """Drop-in for ``F.rms_norm`` that runs on the fused backends."""
+    return fused_add_rms_norm(
+        x, None, weight, eps, weight_offset=weight_offset, cast_order=cast_order,
+        normalized_shape=normalized_shape, backend=backend,
+    )[0]
