@@ -22,6 +22,7 @@ This module is part of the leaf package ``ln_lightning.norm`` and imports nothin
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Optional
@@ -288,26 +289,34 @@ def _own_forward(module: nn.Module):
 
 
 def _cast_order(module: nn.Module, spec: NormSpec, shape, eps: float, device) -> str:
-    """The cast order whose bfloat16 result equals the module's own, bit for bit (first one wins;
-    orders that agree for this weight dtype are interchangeable)."""
+    """The cast order whose result on a bfloat16 input equals the module's own, bit for bit.
+
+    Run on a shallow copy holding a random float32 weight (the module itself is untouched): with
+    float32 weights the three orders give different results (different output dtype, or a
+    rounding before the multiply or not), whatever the module's current weights are.
+    """
     x = _probe_input(shape, eps, torch.bfloat16, device)
+    if spec.weight is None:
+        return "fp32"  # without a weight the orders coincide
+    g = torch.Generator().manual_seed(99)
+    probe_w = (1 + 0.5 * torch.randn(shape, generator=g)).to(device)
+    twin = copy.copy(module)
+    twin._parameters = dict(module._parameters)
+    twin._parameters["weight"] = nn.Parameter(probe_w, requires_grad=False)
     try:
         with torch.no_grad():
-            got = _own_forward(module)(x)
-    except Exception:  # noqa: BLE001 - the module cannot run bfloat16 at all: any order is moot
+            got = _own_forward(twin)(x)
+    except Exception:  # noqa: BLE001 - cannot run bfloat16 with a float32 weight: keep the default
         return "fp32"
+    best, best_err = "fp32", math.inf
     for order in CAST_ORDERS:
-        want = norm_reference(dataclasses.replace(spec, cast_order=order), x)
-        if isinstance(got, Tensor) and got.dtype == want.dtype and torch.equal(got, want):
-            return order
-    best = "fp32"  # no exact match (a different reduction order): the closest one with the right dtype
-    best_err = math.inf
-    for order in CAST_ORDERS:
-        want = norm_reference(dataclasses.replace(spec, cast_order=order), x)
-        if isinstance(got, Tensor) and got.dtype == want.dtype:
-            err = (got.double() - want.double()).abs().max().item()
-            if err < best_err:
-                best, best_err = order, err
+        want = norm_reference(dataclasses.replace(spec, cast_order=order), x, probe_w)
+        if not isinstance(got, Tensor) or got.dtype != want.dtype:
+            continue
+        # Exact for HF's modules; a module with another reduction order gets the closest one.
+        err = (got.double() - want.double()).abs().max().item()
+        if err < best_err:
+            best, best_err = order, err
     return best
 
 
