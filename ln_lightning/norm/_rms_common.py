@@ -52,14 +52,13 @@ def round_dtype(cast: str, x_dtype: torch.dtype, w_dtype: Optional[torch.dtype])
 
 
 def output_dtype(cast: str, x_dtype: torch.dtype, w_dtype: Optional[torch.dtype]) -> torch.dtype:
-    """``y``'s dtype, as the reference module's type promotion gives it."""
+    """``y``'s dtype, as the reference module's type promotion gives it (``x``'s without a weight)."""
+    if w_dtype is None:
+        return x_dtype
     if cast == "llama":
-        return x_dtype if w_dtype is None else torch.promote_types(w_dtype, x_dtype)
+        return torch.promote_types(w_dtype, x_dtype)
     if cast == "t5":
-        if w_dtype in REDUCED:
-            return w_dtype
-        promoted = torch.promote_types(x_dtype, torch.float32)
-        return promoted if w_dtype is None else torch.promote_types(promoted, w_dtype)
+        return w_dtype if w_dtype in REDUCED else torch.promote_types(torch.promote_types(x_dtype, torch.float32), w_dtype)
     return x_dtype
 
 
