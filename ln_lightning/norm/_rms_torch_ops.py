@@ -26,7 +26,7 @@ def apply_weight(n: Tensor, weight: Optional[Tensor], offset: float, rnd: Option
         n = n.to(rnd).to(n.dtype)
     if weight is not None:
         w = weight.to(n.dtype)
-        n = n * (w + offset if offset else w)
+        n.mul_(w + offset if offset else w)  # n is always a fresh temporary here
     return n if n.dtype == ydt else n.to(ydt)
 
 
@@ -53,7 +53,8 @@ def add_rms_norm_impl(
         h.add_(residual)  # upcasts residual on the fly, no temporary
     cdt = _rms_common.compute_dtype(rdt)
     hc = h if h.dtype == cdt else h.to(cdt)
-    rstd = torch.rsqrt(hc.square().mean(-1) + eps)
+    # one pass for the mean square, no squared temporary
+    rstd = torch.linalg.vector_norm(hc, dim=-1).square_().div_(hc.shape[-1]).add_(eps).rsqrt_()
     y = apply_weight(hc * rstd.unsqueeze(-1), weight, offset, rnd, ydt)
     stored = _common.stores_residual(x, residual, residual_in_fp32)
     return y, (h if stored else x.new_empty(0)), rstd
