@@ -115,3 +115,13 @@ def test_probe_fires_no_hooks():
     calls = []
     module.register_forward_pre_hook(lambda *a: calls.append(1))
     assert recognize_norm(module) is not None and calls == []
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from ln_lightning.norm import functional_rms, kinds, modules_rms
+
+    for module in (functional_rms, kinds, modules_rms):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, (module.__name__, result)

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from . import _backend, _rms_common, _rms_torch_ops
-from .functional import _check_input
 
 _triton_rms = None
 
@@ -26,6 +25,21 @@ def _ops(backend: str):
 
         _triton_rms = module
     return _triton_rms.triton_add_rms_norm if compiling else _triton_rms.triton_add_rms_norm_eager
+
+
+def _check_input(x: Tensor, residual: Optional[Tensor]) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"fused RMSNorm needs a floating-point input, got {x.dtype}")
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)} "
+                "(the fused add does not broadcast; expand the residual explicitly)"
+            )
+        if not residual.is_floating_point():
+            raise TypeError(f"residual must be floating-point, got {residual.dtype}")
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
 
 
 def _normalized_shape(x: Tensor, weight: Optional[Tensor], normalized_shape) -> tuple[int, ...]:
