@@ -44,12 +44,16 @@ def torch_formula(h: torch.Tensor, w: Optional[torch.Tensor], offset: float, cas
     n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)
     if w is None:
         return n.to(in_dtype)
+    # No HF class combines these orders with a 1 + w weight; ln_lightning defines the offset as
+    # Gemma does, added in float32 (1.0 + w.float()), then one rounding to the output dtype.
     if cast_order == "llama":
-        return (w + offset) * n.to(in_dtype) if offset else w * n.to(in_dtype)
+        if offset:
+            return ((offset + w.float()) * n.to(in_dtype).float()).to(torch.promote_types(w.dtype, in_dtype))
+        return w * n.to(in_dtype)
     if cast_order == "t5":
         if w.dtype in (torch.float16, torch.bfloat16):
             n = n.to(w.dtype)
-        return (w + offset) * n if offset else w * n
+        return ((offset + w.float()) * n.float()).to(torch.promote_types(w.dtype, n.dtype)) if offset else w * n
     return (n * (offset + w.float())).to(in_dtype)  # Gemma's order (= nn.RMSNorm's with offset 0)
 
 
