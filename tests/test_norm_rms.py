@@ -14,7 +14,7 @@ from torch import nn
 
 from _helpers_norm import Case
 from _helpers_norm_rms import EPS, RMSCase, assert_rows_independent, assert_within_torch_error, rms_cases
-from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, fused_add_rms_norm, rms_norm
+from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, fused_add_rms_norm, rms_norm, swap_layernorms
 from ln_lightning.norm import _cpu_rms_kernels, _rms_torch_ops
 
 
@@ -196,3 +196,69 @@ def test_torch_compile_fullgraph_no_graph_break():
     torch.testing.assert_close(out, ref)
     for a, b in zip(gc, gr):
         torch.testing.assert_close(a, b)
+
+
+class _PostNormRMSBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.f = nn.Linear(d, d)
+        self.n = nn.RMSNorm(d, eps=1e-6)
+
+    def forward(self, x):
+        return self.n(x + self.f(x))
+
+
+def test_swap_after_placement_convert_keeps_the_conversion():
+    placement = pytest.importorskip("ln_lightning.placement")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_PostNormRMSBlock(16) for _ in range(3)])
+    x = torch.randn(4, 16)
+    placement.convert(model, "pre")
+    deferred_type = type(model[0].n)
+    before = model(x)
+    report = swap_layernorms(model)
+    assert "0.n" in report.swapped and not report.skipped
+    norm = model[0].n
+    assert isinstance(norm, FusedRMSNorm) and getattr(norm, "ln_lightning_deferred", False)
+    torch.testing.assert_close(model(x), before, rtol=1e-6, atol=1e-6)
+    report.revert()
+    assert type(model[0].n) is deferred_type
+    assert torch.equal(model(x), before)
+
+
+class _RMSKeepsInit(nn.RMSNorm):
+    def __init__(self, d):
+        super().__init__(d, eps=1e-6)
+
+
+class _RMSUpcasts(nn.RMSNorm):  # still an RMSNorm: recognised by the probe, swapped
+    def forward(self, x):
+        return super().forward(x.float()).type_as(x)
+
+
+class _RMSClamps(nn.RMSNorm):  # computes something else: skipped, with the reason
+    def forward(self, x):
+        return super().forward(x).clamp(-0.5, 0.5)
+
+
+def test_swap_nn_rmsnorm_family_report_revert_and_pickle():
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.RMSNorm(8), _RMSKeepsInit(8), _RMSUpcasts(8), _RMSClamps(8), nn.LayerNorm(8))
+    for m in model:
+        nn.init.normal_(m.weight)
+    x = torch.randn(5, 8)
+    before = model(x)
+    state = copy.deepcopy(model.state_dict())
+    report = swap_layernorms(model)
+    assert report.swapped == ["0", "1", "2", "4"]
+    assert [s.path for s in report.skipped] == ["3"] and "overrides forward()" in report.skipped[0].reason
+    assert type(model[0]) is FusedRMSNorm and isinstance(model[1], _RMSKeepsInit) and isinstance(model[2], _RMSUpcasts)
+    torch.testing.assert_close(model(x), before, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    clone = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+    report.revert()
+    assert [type(m) for m in model] == [nn.RMSNorm, _RMSKeepsInit, _RMSUpcasts, _RMSClamps, nn.LayerNorm]
+    assert torch.equal(model(x), before)
