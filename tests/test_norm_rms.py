@@ -15,7 +15,14 @@ from torch import nn
 from _helpers_norm import Case
 from _helpers_norm_rms import EPS, RMSCase, assert_rows_independent, assert_within_torch_error, rms_cases
 from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, fused_add_rms_norm, rms_norm, swap_layernorms
-from ln_lightning.norm import _cpu_rms_kernels, _rms_torch_ops
+from ln_lightning.norm import _cpu_rms_kernels, _rms_torch_ops, functional_rms
+
+
+@pytest.fixture(autouse=True)
+def _fused_function_path(monkeypatch):
+    # The tests below exercise the fused op even on tiny tensors (the composition used under
+    # functional_rms.EAGER_COMPOSITE_BELOW is covered by the float64 sweep).
+    monkeypatch.setattr(functional_rms, "EAGER_COMPOSITE_BELOW", 0)
 
 
 @pytest.fixture(params=["compiled", "aten"])
@@ -45,11 +52,18 @@ def _compiled_expected(case: RMSCase) -> bool:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=rms_cases(max_rows=8, max_hidden=300))
 def test_matches_float64_within_twice_torch_error(case, cpu_path):
+    # Both eager paths: the custom autograd.Function (kernels or aten ops inside) and the plain
+    # composition used for tiny tensors.
     name, calls = cpu_path
-    before = len(calls)
-    assert_within_torch_error(case, backend="torch")
-    ran_compiled = len(calls) > before
-    assert ran_compiled == (name == "compiled" and _compiled_expected(case)), (name, case)
+    for threshold in (0, 1 << 60):
+        functional_rms.EAGER_COMPOSITE_BELOW = threshold
+        try:
+            before = len(calls)
+            assert_within_torch_error(case, backend="torch")
+            ran_compiled = len(calls) > before
+            assert ran_compiled == (threshold == 0 and name == "compiled" and _compiled_expected(case)), (name, case)
+        finally:
+            functional_rms.EAGER_COMPOSITE_BELOW = 1 << 13
 
 
 EDGE = [

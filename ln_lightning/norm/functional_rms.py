@@ -12,6 +12,12 @@ from . import _backend, _rms_common, _rms_torch_ops
 
 _triton_rms = None
 
+# Eager torch-backend calls with fewer elements than this run as the plain composition of aten
+# ops (the same formula, autograd-tracked): for tiny tensors the custom autograd.Function's fixed
+# Python cost (~0.1 ms per forward + backward) is more than the fused kernel saves; from a few
+# thousand elements on the kernel wins (benchmarks/bench_norm.py). Tests set it to cover both.
+EAGER_COMPOSITE_BELOW = 1 << 13
+
 
 def _ops(backend: str):
     """The forward op for a resolved backend: the ``torch.library`` op while torch.compile traces,
@@ -114,11 +120,43 @@ def fused_add_rms_norm(
     if name == "triton" and residual is not None and residual.dtype not in _backend.TRITON_DTYPES:
         name = _backend.resolve_backend(residual, _backend.canonical_backend(backend))
     stored = _rms_common.stores_residual(x, residual, residual_in_fp32)
+    if name == "torch" and x.numel() < EAGER_COMPOSITE_BELOW and not torch.compiler.is_compiling():
+        y, h = _composite(x, residual, weight, eps, residual_in_fp32, weight_offset, cast_order, len(shape))
+        return y, (h if stored else x)
     x2 = x.reshape(-1, hidden).contiguous()
     r2 = None if residual is None else residual.reshape(-1, hidden).contiguous()
     w = None if weight is None else weight.reshape(-1)
     y, residual_out, _rstd = _ops(name)(x2, r2, w, float(eps), residual_in_fp32, float(weight_offset), cast_order)
     return y.view(x.shape), (residual_out.view(x.shape) if stored else x)
+
+
+def _composite(x, residual, weight, eps, residual_in_fp32, offset, cast, ndim):
+    """What the torch backend's op computes, as ordinary autograd-tracked ops over the last
+    ``ndim`` dims: op for op the reference modules' own code where it applies (as cheap as they are)."""
+    rdt = _rms_common.residual_dtype(x, residual, residual_in_fp32)
+    if residual is None:
+        h = x if x.dtype == rdt else x.to(rdt)
+    elif x.dtype == rdt and residual.dtype == rdt:
+        h = x + residual
+    else:
+        h = x.to(rdt) + residual.to(rdt)
+    cdt = _rms_common.compute_dtype(rdt)
+    hc = h if h.dtype == cdt else h.to(cdt)
+    dims = -1 if ndim == 1 else tuple(range(-ndim, 0))
+    n = hc * torch.rsqrt(hc.pow(2).mean(dims, keepdim=True) + eps)
+    wdt = None if weight is None else weight.dtype
+    ydt = _rms_common.output_dtype(cast, x.dtype, wdt)
+    if weight is None:
+        return (n if n.dtype == ydt else n.to(ydt)), h
+    rnd = _rms_common.round_dtype(cast, x.dtype, wdt)
+    if not offset and cast != "fp32":  # HF Llama / T5: w * n.to(dtype), PyTorch's own half multiply
+        y = weight * (n if rnd is None else n.to(rnd))
+    else:  # nn.RMSNorm / Gemma / OLMo 2: (n * (offset + w.float())).to(dtype)
+        if rnd is not None:
+            n = n.to(rnd).to(cdt)
+        w = weight if weight.dtype == cdt else weight.to(cdt)
+        y = n * (w + offset if offset else w)
+    return (y if y.dtype == ydt else y.to(ydt)), h
 
 
 def rms_norm(

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _backend, _rms_common
+from . import _backend, _rms_common, functional_rms
 from .functional_rms import fused_add_rms_norm
 
 
@@ -44,6 +46,15 @@ class FusedRMSNorm(nn.RMSNorm):
     ln_lightning_norm_forward = True  # its forward is the norm it claims to be (norm.kinds)
 
     def forward(self, input: Tensor) -> Tensor:
+        # Tiny eager inputs on the torch backend: nn.RMSNorm's own F.rms_norm is this module's
+        # formula (offset 0, "fp32" order) and cheaper than any Python around it.
+        name = self.backend or _backend.requested_backend()
+        if (
+            not self.weight_offset and self.cast_order == "fp32"
+            and (name in ("torch", "cpu") or (name == "auto" and not input.is_cuda))
+            and input.numel() < functional_rms.EAGER_COMPOSITE_BELOW and not torch.compiler.is_compiling()
+        ):
+            return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
         return fused_add_rms_norm(
             input, None, self.weight, self.eps, weight_offset=self.weight_offset, cast_order=self.cast_order,
             normalized_shape=self.normalized_shape, backend=self.backend,

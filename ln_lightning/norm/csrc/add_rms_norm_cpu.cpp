@@ -28,6 +28,7 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
+constexpr int64_t kSerialElems = 1 << 17;
 
 inline float ld(const float* p, int64_t j) { return p[j]; }
 inline float ld(const c10::BFloat16* p, int64_t j) {
@@ -55,7 +56,9 @@ template <typename T, typename R, typename H>
 void forward_rows(const T* __restrict__ x, const R* __restrict__ res, H* __restrict__ h, T* __restrict__ y,
                   const float* __restrict__ w, float offset, bool round_normed, float* rstd_out, int64_t rows,
                   int64_t n, float eps) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / n);
+  // At least kSerialElems elements per thread: below that, waking the pool costs more than the
+  // work (milliseconds when other processes hold the cores).
+  const int64_t grain = std::max<int64_t>(1, kSerialElems / n);
   const int64_t nv = n - n % kLanes;
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(2 * n);
@@ -108,9 +111,9 @@ void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* _
                    const float* __restrict__ w, float offset, bool round_normed, const float* rstd,
                    float* dw_part, int64_t blocks, int64_t rows, int64_t n) {
   const int64_t nv = n - n % kLanes;
-  // Small calls run on one thread: waking the pool costs more than they take (milliseconds on a
-  // loaded machine). The result does not depend on it: the blocks, not the threads, fix the order.
-  const int64_t grain = rows * n < (1 << 16) ? blocks : 1;
+  // Small calls run on one thread (see forward_rows). The result does not depend on it: the
+  // blocks, not the threads, fix the summation order.
+  const int64_t grain = std::max<int64_t>(1, blocks * kSerialElems / std::max<int64_t>(1, rows * n));
   at::parallel_for(0, blocks, grain, [&](int64_t bbegin, int64_t bend) {
     std::vector<float> buf(3 * n);
     float* __restrict__ xh = buf.data();
