@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark the fused LayerNorm against nn.LayerNorm, eager add + nn.LayerNorm and torch.compile.
+"""Benchmark the fused LayerNorm and RMSNorm against eager PyTorch / Hugging Face and torch.compile.
 
 For each device (cpu, and cuda when present), shape and dtype it times, side by side and
 interleaved in one run (variants alternate, in a fresh random order, inside every repeat, all with
@@ -13,6 +13,10 @@ medians and of the minima are in the JSON too):
   ``fused_add_layer_norm`` (the new residual ``h`` also receives a gradient, as in a block); on
   CPU in bfloat16 also ours on aten's kernels ("[aten]"), to show what the compiled CPU kernels
   (ln_lightning/norm/csrc) add;
+* group "add+rms": eager ``h = x + r; y = LlamaRMSNorm(h)`` (Hugging Face's own class, when
+  transformers is installed; else its formula written out) vs ``torch.compile`` of the same vs
+  ``fused_add_rms_norm(..., cast_order="llama")`` (the same numerics); on CPU also ours on the
+  aten composition ("[aten]", the compiled CPU RMSNorm kernels off);
 
 in two modes: forward (``torch.no_grad``) and forward+backward. Effective bandwidth counts the
 bytes that must move (reads + writes of the activation-sized tensors, in the input dtype):
@@ -26,6 +30,7 @@ Examples::
     python benchmarks/bench_norm.py                              # CPU default sweep, a few minutes
     python benchmarks/bench_norm.py --rows 4096 16384 --hidden 768 1024 4096 8192 --dtype float32 bfloat16
     python benchmarks/bench_norm.py --device cuda --out bench_norm_cuda.json
+    python benchmarks/bench_norm.py --groups add+rms --rows 4096 --hidden 1024 4096   # RMSNorm only
 """
 
 from __future__ import annotations
@@ -49,14 +54,41 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from ln_lightning.norm import FusedLayerNorm, fused_add_layer_norm  # noqa: E402
+from ln_lightning.norm import FusedLayerNorm, fused_add_layer_norm, fused_add_rms_norm  # noqa: E402
 from ln_lightning.norm import functional as _functional  # noqa: E402
-from ln_lightning.norm import _cpu_kernels  # noqa: E402
+from ln_lightning.norm import _cpu_kernels, _cpu_rms_kernels  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-BYTES_MOVED = {("norm", "fwd"): 2, ("norm", "fwd+bwd"): 5, ("add+norm", "fwd"): 4, ("add+norm", "fwd+bwd"): 8}
-BASELINE = {"norm": "nn.LayerNorm", "add+norm": "eager add+LN"}
+BYTES_MOVED = {("norm", "fwd"): 2, ("norm", "fwd+bwd"): 5, ("add+norm", "fwd"): 4, ("add+norm", "fwd+bwd"): 8,
+               ("add+rms", "fwd"): 4, ("add+rms", "fwd+bwd"): 8}
+BASELINE = {"norm": "nn.LayerNorm", "add+norm": "eager add+LN", "add+rms": "eager add+LlamaRMSNorm"}
+COMPILED = {"add+norm": "compiled add+LN", "add+rms": "compiled add+LlamaRMSNorm"}
+GROUPS = ("norm", "add+norm", "add+rms")
+
+
+class _LlamaRMSNormFormula(nn.Module):
+    """HF LlamaRMSNorm's forward, verbatim, for machines without transformers."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def _llama_rms_norm(hidden: int, device, dtype) -> nn.Module:
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    except ImportError:
+        LlamaRMSNorm = _LlamaRMSNormFormula
+    return LlamaRMSNorm(hidden, eps=1e-6).to(device=device, dtype=dtype)
 
 
 def _sync(device: torch.device) -> None:
@@ -64,16 +96,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _without_cpu_kernels(step: Callable[[], None]) -> Callable[[], None]:
+def _without_cpu_kernels(step: Callable[[], None], kernels=_cpu_kernels) -> Callable[[], None]:
     """The step (forward and backward) with the compiled CPU kernels off: aten's inside our op."""
 
     def run() -> None:
-        saved = _cpu_kernels._state
-        _cpu_kernels._state = "disabled"
+        saved = kernels._state
+        kernels._state = "disabled"
         try:
             step()
         finally:
-            _cpu_kernels._state = saved
+            kernels._state = saved
 
     return run
 
@@ -93,10 +125,15 @@ class Case:
             self.ln.weight.normal_()
             self.ln.bias.normal_()
         self.fused = FusedLayerNorm.from_layernorm(self.ln)
-        self.compiled = None
+        self.rms = _llama_rms_norm(hidden, device, dtype)
+        with torch.no_grad():
+            self.rms.weight.normal_()
+        self.compiled = self.compiled_rms = None
         self.compile_error: Optional[str] = None
+        self.compile_error_rms: Optional[str] = None
         if compile_ok:
             self.compiled = torch.compile(self._eager_add_ln, dynamic=False)
+            self.compiled_rms = torch.compile(self._eager_add_rms, dynamic=False)
 
     # ---- the computations
     def _eager_add_ln(self, x, r):
@@ -105,6 +142,13 @@ class Case:
 
     def _fused_add_ln(self, x, r):
         return fused_add_layer_norm(x, r, self.ln.weight, self.ln.bias, self.ln.eps)
+
+    def _eager_add_rms(self, x, r):
+        h = x + r
+        return self.rms(h), h
+
+    def _fused_add_rms(self, x, r):
+        return fused_add_rms_norm(x, r, self.rms.weight, self.rms.variance_epsilon, cast_order="llama")
 
     def _custom_op_norm(self, x):
         _functional.PLAIN_LAYER_NORM_VIA_ATEN = False
@@ -129,6 +173,28 @@ class Case:
                     def step():
                         torch.autograd.grad([fn(self.x)], [self.x, self.ln.weight, self.ln.bias], [self.gy])
                 return step
+        elif group == "add+rms":
+            fns = {"eager add+LlamaRMSNorm": self._eager_add_rms}
+            if self.compiled_rms is not None and self.compile_error_rms is None:
+                fns["compiled add+LlamaRMSNorm"] = self.compiled_rms
+            fns["fused add+RMSNorm"] = self._fused_add_rms
+            if self.device.type == "cpu" and _cpu_rms_kernels.module() is not None:
+                fns["fused add+RMSNorm[aten]"] = self._fused_add_rms
+
+            def make(fn):
+                if mode == "fwd":
+                    def step():
+                        with torch.no_grad():
+                            fn(self.x, self.r)
+                else:
+                    def step():  # autograd.grad, as for add+norm below
+                        y, h = fn(self.x, self.r)
+                        torch.autograd.grad([y, h], [self.x, self.r, self.rms.weight], [self.gy, self.gh])
+                return step
+            steps = {name: make(fn) for name, fn in fns.items()}
+            if "fused add+RMSNorm[aten]" in steps:
+                steps["fused add+RMSNorm[aten]"] = _without_cpu_kernels(steps["fused add+RMSNorm[aten]"], _cpu_rms_kernels)
+            return steps
         else:
             fns = {"eager add+LN": self._eager_add_ln}
             if self.compiled is not None and self.compile_error is None:
@@ -155,15 +221,16 @@ class Case:
             steps["fused add+LN[aten]"] = _without_cpu_kernels(steps["fused add+LN[aten]"])
         return steps
 
-    def warm_compile(self, mode: str) -> None:
-        if self.compiled is None or self.compile_error is not None:
-            return
-        try:
-            self.steps("add+norm", mode)["compiled add+LN"]()
-            _sync(self.device)
-        except Exception as exc:  # noqa: BLE001 - report and carry on without it
-            self.compile_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            print(f"  torch.compile skipped for {self.describe()}: {self.compile_error}", flush=True)
+    def warm_compile(self, mode: str, groups=GROUPS) -> None:
+        for group, attr, fn in (("add+norm", "compile_error", self.compiled), ("add+rms", "compile_error_rms", self.compiled_rms)):
+            if group not in groups or fn is None or getattr(self, attr) is not None:
+                continue
+            try:
+                self.steps(group, mode)[COMPILED[group]]()
+                _sync(self.device)
+            except Exception as exc:  # noqa: BLE001 - report and carry on without it
+                setattr(self, attr, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+                print(f"  torch.compile ({group}) skipped for {self.describe()}: {getattr(self, attr)}", flush=True)
 
     def describe(self) -> str:
         return f"{self.device.type} {str(self.dtype)[6:]} {self.rows}x{self.hidden}"
@@ -264,8 +331,8 @@ def run(args) -> list[dict]:
                 for hidden in hidden_list:
                     case = Case(device, dtype, rows, hidden, compile_ok=not args.no_compile)
                     for mode in args.modes:
-                        case.warm_compile(mode)
-                        for group in ("norm", "add+norm"):
+                        case.warm_compile(mode, args.groups)
+                        for group in args.groups:
                             steps = case.steps(group, mode)
                             samples = time_interleaved(steps, device, args.repeats, args.min_sample_ms / 1e3)
                             times = {name: statistics.median(v) for name, v in samples.items()}
@@ -285,26 +352,27 @@ def run(args) -> list[dict]:
                                         b / o for b, o in zip(samples[BASELINE[group]], samples[name])
                                     ),
                                 }
-                                if group == "add+norm" and "compiled add+LN" in times:
+                                if COMPILED.get(group) in times:
                                     row["speedup_vs_compiled"] = statistics.median(
-                                        c / o for c, o in zip(samples["compiled add+LN"], samples[name])
+                                        c / o for c, o in zip(samples[COMPILED[group]], samples[name])
                                     )
                                 if not args.no_memory:
                                     mem = peak_memory(steps[name], device)
                                     row["memory_MB"] = None if mem is None else mem / 2**20
                                 results.append(row)
                                 print(_format_row(row), flush=True)
-                            if group == "add+norm" and case.compile_error:
+                            error = {"add+norm": case.compile_error, "add+rms": case.compile_error_rms}.get(group)
+                            if error:
                                 results.append({"device": device.type, "dtype": str(dtype)[6:], "rows": rows,
                                                 "hidden": hidden, "group": group, "mode": mode,
-                                                "variant": "compiled add+LN", "skipped": case.compile_error})
+                                                "variant": COMPILED[group], "skipped": error})
                     del case
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
     return results
 
 
-HEADER = f"{'device':6} {'dtype':8} {'rows':>6} {'hidden':>6} {'group':9} {'mode':8} {'variant':26} {'ms':>9} {'GB/s':>8} {'x base':>7} {'x comp':>7} {'mem MB':>8}"
+HEADER = f"{'device':6} {'dtype':8} {'rows':>6} {'hidden':>6} {'group':9} {'mode':8} {'variant':28} {'ms':>9} {'GB/s':>8} {'x base':>7} {'x comp':>7} {'mem MB':>8}"
 
 
 def _format_row(row: dict) -> str:
@@ -312,7 +380,7 @@ def _format_row(row: dict) -> str:
     mem = row.get("memory_MB")
     return (
         f"{row['device']:6} {row['dtype']:8} {row['rows']:>6} {row['hidden']:>6} {row['group']:9} {row['mode']:8} "
-        f"{row['variant']:26} {row['time_ms']:9.3f} {row['GBps']:8.1f} {row['speedup_vs_baseline']:7.2f} "
+        f"{row['variant']:28} {row['time_ms']:9.3f} {row['GBps']:8.1f} {row['speedup_vs_baseline']:7.2f} "
         f"{(f'{comp:7.2f}' if comp is not None else '      -')} {(f'{mem:8.1f}' if mem is not None else '       -')}"
     )
 
@@ -330,6 +398,10 @@ def summarize(results: list[dict]) -> dict:
             out.setdefault(key, {}).setdefault("fused add+LN vs eager add+LN", []).append(row["speedup_vs_baseline"])
             if "speedup_vs_compiled" in row:
                 out[key].setdefault("fused add+LN vs compiled add+LN", []).append(row["speedup_vs_compiled"])
+        if row["variant"] == "fused add+RMSNorm":
+            out.setdefault(key, {}).setdefault("fused add+RMS vs eager HF add+RMS", []).append(row["speedup_vs_baseline"])
+            if "speedup_vs_compiled" in row:
+                out[key].setdefault("fused add+RMS vs compiled add+RMS", []).append(row["speedup_vs_compiled"])
     return {
         key: {name: {"geomean": math.exp(sum(map(math.log, v)) / len(v)), "min": min(v), "max": max(v), "n": len(v)}
               for name, v in d.items()}
@@ -344,6 +416,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", nargs="+", type=int, help="default: cpu 768 1024 4096; cuda 768 1024 4096 8192")
     p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), help="default: cpu float32 bfloat16; cuda + float16")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=GROUPS, help="default: all")
     p.add_argument("--quick", action="store_true", help="first rows value and first two hidden sizes only")
     p.add_argument("--repeats", type=int, default=None, help="samples per variant (default cpu 15, cuda 25)")
     p.add_argument("--min-sample-ms", type=float, default=None, help="loop a variant to fill a sample of this length (default cpu 20, cuda 2)")

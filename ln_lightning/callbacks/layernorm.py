@@ -1,4 +1,5 @@
-"""LayerNormInputMonitor: how small each LayerNorm's input variance gets, and how much the norm amplifies."""
+"""LayerNormInputMonitor: how small each norm's input variance (LayerNorm) or mean square (RMSNorm) gets,
+and how much the norm amplifies."""
 
 from __future__ import annotations
 
@@ -13,26 +14,38 @@ from torch import nn
 from ln_lightning.callbacks._common import MonitorBase, first_tensor, metric_safe, normalize_name
 from ln_lightning.callbacks._reduce import PackedStats
 
-# SUM columns per norm; the MAX section holds one value per norm: -min(var).
+# SUM columns per norm; the MAX section holds one value per norm: -min(stat). The statistic `stat`
+# is the row variance for a LayerNorm and the row mean square for an RMSNorm.
 _SUM_VAR, _NONFINITE, _ROWS = range(3)
 _COLS = 3
+# Metric name of the statistic, by norm kind (ln_lightning.norm.NormSpec.kind).
+_STAT_NAME = {"layer": "var", "rms": "ms"}
 
 
 def _fused_add_classes() -> tuple[type, ...]:
     """Norm classes whose forward is `(x, residual)` and normalise `x + residual` (ln_lightning's own)."""
     try:
-        from ln_lightning.norm import FusedAddLayerNorm  # noqa: PLC0415 (optional: the fused norm may be absent)
+        from ln_lightning.norm import FusedAddLayerNorm, FusedAddRMSNorm  # noqa: PLC0415 (optional)
     except ImportError:
         return ()
-    return (FusedAddLayerNorm,)
+    return (FusedAddLayerNorm, FusedAddRMSNorm)
+
+
+def _recognize(module: nn.Module):
+    try:
+        from ln_lightning.norm import recognize_norm  # noqa: PLC0415 (optional: the norm package may be absent)
+    except ImportError:
+        return None
+    return recognize_norm(module)
 
 
 class LayerNormInputMonitor(MonitorBase):
     r"""Log the variance a LayerNorm divides by, and the amplification ``1/sqrt(var + eps)`` it applies.
 
-    For every ``nn.LayerNorm`` (which includes ``ln_lightning``'s ``FusedLayerNorm``) and every
-    module of the classes you add, with ``var`` the biased variance of each row of the input over
-    the normalised dimensions (the last ``len(normalized_shape)`` dimensions):
+    For every ``nn.LayerNorm`` (which includes ``ln_lightning``'s ``FusedLayerNorm``), every
+    module ``ln_lightning.norm.recognize_norm`` finds to be a LayerNorm by what it computes, and
+    every module of the classes you add, with ``var`` the biased variance of each row of the input
+    over the normalised dimensions (the last ``len(normalized_shape)`` dimensions):
 
     - ``ln/var_mean/NORM``: mean of ``var`` over all rows,
     - ``ln/var_min/NORM``: minimum of ``var`` over all rows,
@@ -45,8 +58,15 @@ class LayerNormInputMonitor(MonitorBase):
     Rows of all micro-batches of the logged step on all ranks are pooled exactly (sums and row counts
     all-reduced, minimum across ranks).
 
-    ``ln_lightning.norm.FusedAddLayerNorm`` modules, called as ``norm(x, residual)``, are monitored on
-    ``x + residual``: the tensor they actually normalise.
+    RMSNorms (``nn.RMSNorm``, ``FusedRMSNorm`` and every module ``recognize_norm`` finds to be an
+    RMSNorm: Hugging Face's ``LlamaRMSNorm``, ``Gemma2RMSNorm``, ``T5LayerNorm``, ...) divide by the
+    root mean square instead; for them the statistic is ``ms``, the mean of the squares of each row:
+    ``ln/ms_mean/NORM``, ``ln/ms_min/NORM``, and ``ln/amp_max/NORM`` the maximum of
+    ``1/sqrt(ms + eps)`` with the module's own eps (``nn.RMSNorm(eps=None)``: the input dtype's
+    machine epsilon, as it uses).
+
+    ``ln_lightning.norm.FusedAddLayerNorm`` / ``FusedAddRMSNorm`` modules, called as
+    ``norm(x, residual)``, are monitored on ``x + residual``: the tensor they actually normalise.
 
     Args:
         norm_classes: extra module classes to monitor (a class or a sequence of them); they must have ``normalized_shape`` and ``eps``
@@ -92,7 +112,8 @@ class LayerNormInputMonitor(MonitorBase):
         self.warn_amp_fraction = warn_amp_fraction
         self.warn_cooldown = warn_cooldown
         self.norm_paths: list[str] = []
-        self._eps: list[float] = []
+        self._eps: list[float | None] = []
+        self._kinds: list[str] = []
         self._handles: list[Any] = []
         self._stats: PackedStats | None = None
         self._rows: torch.Tensor | None = None
@@ -107,29 +128,40 @@ class LayerNormInputMonitor(MonitorBase):
 
     def _register(self, pl_module: LightningModule) -> None:
         fused_add = _fused_add_classes()
+        declared = self.norm_classes  # nn.LayerNorm and the classes given: monitored by class
         seen: set[int] = set()
         targets = []
         for name, module in pl_module.named_modules():
-            if id(module) in seen or not isinstance(module, self.norm_classes + fused_add):
+            if id(module) in seen:
                 continue
+            if isinstance(module, fused_add + declared):
+                shape = getattr(module, "normalized_shape", None)
+                eps = getattr(module, "eps", None)
+                kind = "rms" if hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm) else "layer"
+                if shape is None or (eps is None and kind == "layer"):
+                    raise TypeError(
+                        f"LayerNormInputMonitor: {type(module).__name__} at {name!r} has no `normalized_shape` / `eps`; "
+                        "norm_classes must be LayerNorm-like (normalise the last dims by their variance)."
+                    )
+                ndim = 1 if isinstance(shape, int) else len(tuple(shape))
+            else:
+                spec = _recognize(module)  # by what it computes: LayerNorm-like or RMSNorm-like
+                if spec is None:
+                    continue
+                kind, ndim, eps = spec.kind, spec.ndim, spec.eps
             seen.add(id(module))
-            shape = getattr(module, "normalized_shape", None)
-            eps = getattr(module, "eps", None)
-            if shape is None or eps is None:
-                raise TypeError(
-                    f"LayerNormInputMonitor: {type(module).__name__} at {name!r} has no `normalized_shape` / `eps`; "
-                    "norm_classes must be LayerNorm-like (normalise the last dims by their variance)."
-                )
-            ndim = 1 if isinstance(shape, int) else len(tuple(shape))
-            targets.append((normalize_name(name, pl_module), module, ndim, float(eps), isinstance(module, fused_add)))
+            eps = None if eps is None else float(eps)
+            targets.append((normalize_name(name, pl_module), module, ndim, eps, isinstance(module, fused_add), kind))
         if not targets:
             return
         self.norm_paths = [t[0] for t in targets]
-        self._eps = [t[3] for t in targets]
-        for index, (path, module, ndim, _, is_add) in enumerate(targets):
-            hook = self._make_hook(index, ndim, is_add)
+        self._eps = [t[3] for t in targets]  # None: the input dtype's eps, filled in by the hook
+        self._kinds = [t[5] for t in targets]
+        for index, (path, module, ndim, _, is_add, kind) in enumerate(targets):
+            hook = self._make_hook(index, ndim, is_add, kind)
             self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        rank_zero_info(f"LayerNormInputMonitor: monitoring {len(targets)} norms")
+        n_rms = self._kinds.count("rms")
+        rank_zero_info(f"LayerNormInputMonitor: monitoring {len(targets)} norms ({n_rms} RMSNorm)")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._handles:
@@ -150,8 +182,9 @@ class LayerNormInputMonitor(MonitorBase):
             self._stats = self._rows = None
             self._active = False
 
-    def _make_hook(self, index: int, ndim: int, is_add: bool):
+    def _make_hook(self, index: int, ndim: int, is_add: bool, kind: str = "layer"):
         dims = tuple(range(-ndim, 0))
+        rms = kind == "rms"
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not self._active:  # the whole cost on steps that do not log
@@ -160,13 +193,16 @@ class LayerNormInputMonitor(MonitorBase):
             x = args[0] if args else kwargs.get("input", first_tensor(kwargs))
             if not isinstance(x, torch.Tensor) or rows is None or x.numel() == 0:
                 return
+            if self._eps[index] is None:  # nn.RMSNorm(eps=None) uses the input dtype's eps
+                self._eps[index] = torch.finfo(x.dtype).eps
             with torch.no_grad():
                 x = x.detach().float()
                 if is_add:  # FusedAddLayerNorm(input, residual) normalises input + residual
                     residual = args[1] if len(args) > 1 else kwargs.get("residual")
                     if isinstance(residual, torch.Tensor):
                         x = x + residual.detach().float()
-                var = torch.var(x, dim=dims, correction=0)
+                # RMSNorm: the mean square it divides by; LayerNorm: the variance
+                var = x.square().mean(dim=dims) if rms else torch.var(x, dim=dims, correction=0)
                 nonfinite = var.numel() - torch.isfinite(var).sum()
                 row = rows[index]
                 row[:2] += torch.stack([var.sum(dtype=torch.float64), nonfinite.to(torch.float64)])
@@ -196,13 +232,16 @@ class LayerNormInputMonitor(MonitorBase):
                 amp_list.append(float("nan"))
                 continue
             eps = self._eps[i]
+            if eps is None:  # never called with a tensor (cannot happen with n_rows > 0)
+                eps = float("nan")
             var_mean = sum_var / n_rows
             var_min = -maxes[i]
             # amp is decreasing in var, so the maximum over rows is attained at the minimum variance.
             amp_max = 1.0 / math.sqrt(var_min + eps) if math.isfinite(var_min) and var_min + eps > 0 else float("nan")
             name = metric_safe(path)
-            metrics[f"ln/var_mean/{name}"] = var_mean
-            metrics[f"ln/var_min/{name}"] = var_min
+            stat = _STAT_NAME[self._kinds[i]]
+            metrics[f"ln/{stat}_mean/{name}"] = var_mean
+            metrics[f"ln/{stat}_min/{name}"] = var_min
             metrics[f"ln/amp_max/{name}"] = amp_max
             nonfinite += n_nonfinite
             var_min_list.append(var_min)
@@ -229,7 +268,7 @@ class LayerNormInputMonitor(MonitorBase):
             step,
             title=f"LayerNorm inputs by norm (step {step})",
             panels=[
-                ("input variance", {"var_min": var_min_list, "var_mean": var_mean_list}, True),
+                ("input variance (RMSNorm: mean square)", {"var_min": var_min_list, "var_mean": var_mean_list}, True),
                 ("amp_max = 1/sqrt(var_min+eps)", {"amp_max": amp_list}, True),
             ],
             xlabels=[str(i) for i in range(len(self.norm_paths))],
@@ -241,6 +280,8 @@ class LayerNormInputMonitor(MonitorBase):
             "ln-lightning: LayerNorm inputs": {
                 "LN var_min by norm": ["Multiline", [r"^ln/var_min/"]],
                 "LN var_mean by norm": ["Multiline", [r"^ln/var_mean/"]],
+                "RMSNorm ms_min by norm": ["Multiline", [r"^ln/ms_min/"]],
+                "RMSNorm ms_mean by norm": ["Multiline", [r"^ln/ms_mean/"]],
                 "LN amp_max": ["Multiline", [r"^ln/amp_max/"]],
                 "LN non-finite rows": ["Multiline", [r"^ln/nonfinite_count$"]],
             }

@@ -5,6 +5,10 @@
   in one pass forward and one backward.
 * :func:`swap_layernorms` / :func:`unswap_layernorms`: convert a model's ``nn.LayerNorm`` modules
   in place, keeping the very same Parameter objects; returns a :class:`SwapReport`.
+* :class:`FusedRMSNorm` / :func:`fused_add_rms_norm` / :class:`FusedAddRMSNorm`: the same for
+  RMSNorm, with the cast orders and ``1 + w`` weight of Hugging Face's RMSNorm classes.
+* :func:`recognize_norm` -> :class:`NormSpec`: whether a module is a LayerNorm- or RMSNorm-like
+  norm, decided by what it computes (:mod:`ln_lightning.norm.kinds`).
 * :func:`norm_backend`: context manager choosing ``"auto"`` | ``"triton"`` | ``"torch"``.
 
 Without CUDA, importing this package never imports triton (the Triton kernels load only if forced
@@ -14,6 +18,9 @@ under ``TRITON_INTERPRET=1``); with CUDA and triton installed, the Triton ops re
 from ._backend import BACKENDS, norm_backend
 from .functional import fused_add_layer_norm, layer_norm
 from .modules import FusedAddLayerNorm, FusedLayerNorm
+from .functional_rms import fused_add_rms_norm, rms_norm
+from .kinds import NormSpec, explain_norm, is_norm, recognize_norm, register_norm_class
+from .modules_rms import FusedAddRMSNorm, FusedRMSNorm
 from .swap import SwapReport, swap_layernorms, unswap_layernorms
 
 
@@ -26,9 +33,10 @@ def _preload_triton_ops() -> None:
 
     if _backend.TRITON_INSTALLED and torch.cuda.is_available():
         try:
-            from . import _triton_ops, functional
+            from . import _triton_ops, _triton_rms, functional, functional_rms
 
             functional._triton_ops = _triton_ops  # so a compiled trace never reaches the import
+            functional_rms._triton_rms = _triton_rms
         except Exception as exc:  # noqa: BLE001 - the torch backend still works
             import warnings
 
@@ -41,11 +49,20 @@ _preload_triton_ops()
 __all__ = [
     "BACKENDS",
     "FusedAddLayerNorm",
+    "FusedAddRMSNorm",
     "FusedLayerNorm",
+    "FusedRMSNorm",
+    "NormSpec",
     "SwapReport",
+    "explain_norm",
     "fused_add_layer_norm",
+    "fused_add_rms_norm",
+    "is_norm",
     "layer_norm",
     "norm_backend",
+    "recognize_norm",
+    "register_norm_class",
+    "rms_norm",
     "swap_layernorms",
     "unswap_layernorms",
 ]

@@ -54,25 +54,33 @@ def _capability() -> str:
     return cap if cap in _FLAGS else "DEFAULT"
 
 
-def _build():
+def build_extension(name: str, source: Path, what: str):
+    """Build (or load from the cache) the extension ``name`` from ``source`` for this CPU's capability.
+
+    Shared by the LayerNorm kernels here and the RMSNorm ones (:mod:`._cpu_rms_kernels`).
+    """
     from torch.utils.cpp_extension import _get_build_directory, load
 
     cap = _capability()
-    name = f"ln_lightning_add_layer_norm_cpu_{cap.lower()}"
+    name = f"{name}_{cap.lower()}"
     if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
         # Announce the one-time stall (a changed source rebuilds too, unannounced; it is rare).
         _log.warning(
-            "ln_lightning: compiling the CPU fused LayerNorm kernels for %s (once per machine, about 30 s; "
-            "set %s=0 to use aten's kernels instead)", cap, ENV_VAR,
+            "ln_lightning: compiling the CPU %s kernels for %s (once per machine, about 30 s; "
+            "set %s=0 to use aten's kernels instead)", what, cap, ENV_VAR,
         )
     flags = ["-O3", *_FLAGS.get(cap, [])]
     try:
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=[*flags, "-fopenmp"],
+        return load(name=name, sources=[str(source)], extra_cflags=[*flags, "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - e.g. Apple clang has no -fopenmp: build the serial kernels
         _log.warning("ln_lightning: building the CPU kernels with OpenMP failed (%s); building them single-threaded",
                      str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__)
-        return load(name=f"{name}_serial", sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+        return load(name=f"{name}_serial", sources=[str(source)], extra_cflags=flags, verbose=False)
+
+
+def _build():
+    return build_extension("ln_lightning_add_layer_norm_cpu", SOURCE, "fused LayerNorm")
 
 
 def module() -> Any:

@@ -41,6 +41,7 @@ class FusedLayerNorm(nn.LayerNorm):
     """
 
     backend: Optional[str] = None
+    ln_lightning_norm_forward = True  # its forward is the norm it claims to be (norm.kinds)
 
     def forward(self, input: Tensor) -> Tensor:
         # Fast path: where the torch backend runs, a plain LayerNorm is exactly F.layer_norm (see
@@ -126,6 +127,8 @@ class FusedAddLayerNorm(nn.LayerNorm):
 
     backend: Optional[str] = None
     residual_in_fp32: bool = False
+    ln_lightning_norm_forward = True
+    ln_lightning_fused_add = True  # forward(x, residual): normalises x + residual (norm.kinds)
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""``swap_layernorms``: turn a model's ``nn.LayerNorm`` modules into ``FusedLayerNorm`` in place.
+"""``swap_layernorms``: turn a model's ``nn.LayerNorm`` and RMSNorm modules into fused ones in place.
 
 The swap changes each module's class (``module.__class__ = FusedLayerNorm``) instead of building
 a new module, so *everything* about the instance is kept: the very same Parameter objects (device,
@@ -14,7 +14,15 @@ Which modules are swapped:
   (its ``isinstance`` relations with the original class still hold);
 * a norm that ``ln_lightning.placement.convert`` deferred (class ``DeferredLayerNorm``) becomes
   ``DeferredFusedLayerNorm``: it keeps the conversion and normalises with the fused kernel;
-* subclasses that override ``forward`` are skipped (we cannot know what their forward does), as are
+* RMSNorms: exact ``nn.RMSNorm`` instances become ``FusedRMSNorm`` (a subclass that does not
+  override ``forward`` becomes ``Fused<Name>``, as above); any other module that
+  :func:`~ln_lightning.norm.recognize_norm` finds to be an RMSNorm (Hugging Face's
+  ``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``, ``Gemma2RMSNorm``/``Gemma3RMSNorm``,
+  ``Olmo2RMSNorm``, ``T5LayerNorm``, ..., or a registered class) becomes ``Fused<Name>``, a
+  subclass of its own class whose forward runs the fused kernel with the numerics read from the
+  module: its eps attribute, the ``1 + w`` weight, its cast order. Nothing is added to the
+  ``state_dict``; the settings live in instance attributes (``ln_rms_*``) removed on revert;
+* LayerNorm subclasses that override ``forward`` are skipped (we cannot know what their forward does), as are
   parametrized modules, modules that are already fused, modules whose ``weight``/``bias`` are not
   tensors of ``normalized_shape``, and, with ``backend="triton"``, modules on a device or dtype
   the Triton kernels cannot take. Every skip is listed with its reason.
@@ -30,28 +38,48 @@ import torch
 from torch import nn
 
 from . import _backend
+from .kinds import NormSpec, explain_norm, recognize_norm
 from .modules import FusedAddLayerNorm, FusedLayerNorm
+from .modules_rms import FusedAddRMSNorm, FusedRMSNorm, FusedRMSNormForward
 
-_FUSED_SUBCLASSES: dict[type, type] = {}
+_FUSED_SUBCLASSES: dict[tuple[type, type], type] = {}
+# Instance attributes the swap of a foreign RMSNorm class sets (and its revert removes).
+_RMS_ATTRS = ("ln_rms_eps_attr", "ln_rms_offset", "ln_rms_cast", "ln_rms_shape")
 
 
-def _fused_class_for(cls: type) -> type:
-    """``FusedLayerNorm`` for ``nn.LayerNorm``; a cached ``Fused<Name>(FusedLayerNorm, cls)`` otherwise."""
-    if cls is nn.LayerNorm:
-        return FusedLayerNorm
-    fused = _FUSED_SUBCLASSES.get(cls)
+def _fused_class_for(cls: type, fused_base: type = FusedLayerNorm, plain: type = nn.LayerNorm) -> type:
+    """``fused_base`` for ``plain``; a cached ``Fused<Name>(fused_base, cls)`` otherwise."""
+    if cls is plain:
+        return fused_base
+    fused = _FUSED_SUBCLASSES.get((fused_base, cls))
     if fused is None:
         # Registered as a module global so pickling a swapped model works within this process.
         ident = f"{cls.__module__}.{cls.__qualname__}".replace(".", "_").replace("<", "_").replace(">", "_")
         name = f"_Fused__{ident}"
         fused = type(
             f"Fused{cls.__name__}",
-            (FusedLayerNorm, cls),
+            (fused_base, cls),
             {"__module__": __name__, "__qualname__": name, "_ln_original_class": cls},
         )
         setattr(sys.modules[__name__], name, fused)
-        _FUSED_SUBCLASSES[cls] = fused
+        _FUSED_SUBCLASSES[(fused_base, cls)] = fused
     return fused
+
+
+def _is_nn_rms(module: nn.Module) -> bool:
+    return hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm)
+
+
+def _plain_rms_subclass(cls: type) -> bool:
+    return cls is nn.RMSNorm or cls.forward is nn.RMSNorm.forward
+
+
+def _foreign_rms_spec(module: nn.Module) -> Optional[NormSpec]:
+    """The spec of a module swapped as a foreign RMSNorm class (not nn.RMSNorm's own forward)."""
+    if isinstance(module, nn.LayerNorm) or (_is_nn_rms(module) and _plain_rms_subclass(type(module))):
+        return None
+    spec = recognize_norm(module)
+    return spec if spec is not None and spec.kind == "rms" else None
 
 
 def _deferred_base(cls: type) -> Optional[type]:
@@ -62,23 +90,32 @@ def _deferred_base(cls: type) -> Optional[type]:
     return None
 
 
-def _target_class(cls: type) -> Optional[type]:
+def _target_class(cls: type, foreign_rms: bool = False) -> Optional[type]:
     """The fused class to give an instance of ``cls``, or None if we must not swap it."""
     base = _deferred_base(cls)
     if base is not None:
-        if base is not nn.LayerNorm:
+        fused = {nn.LayerNorm: FusedLayerNorm, getattr(nn, "RMSNorm", None): FusedRMSNorm}.get(base)
+        if fused is None:
             return None
         from ln_lightning.placement import hooks  # the placement engine made this class
 
-        return hooks._deferred_class(FusedLayerNorm)
-    if cls is nn.LayerNorm or cls.forward is nn.LayerNorm.forward:
+        return hooks._deferred_class(fused)
+    if foreign_rms:
+        return _fused_class_for(cls, FusedRMSNormForward, None)
+    if issubclass(cls, nn.LayerNorm) and (cls is nn.LayerNorm or cls.forward is nn.LayerNorm.forward):
         return _fused_class_for(cls)
+    if hasattr(nn, "RMSNorm") and issubclass(cls, nn.RMSNorm) and _plain_rms_subclass(cls):
+        return _fused_class_for(cls, FusedRMSNorm, nn.RMSNorm)
     return None
 
 
 def _original_class(module: nn.Module) -> type:
     cls = type(module)
-    return getattr(cls, "_ln_original_class", nn.LayerNorm) if cls is not FusedLayerNorm else nn.LayerNorm
+    if cls is FusedLayerNorm:
+        return nn.LayerNorm
+    if cls is FusedRMSNorm:
+        return nn.RMSNorm
+    return getattr(cls, "_ln_original_class", nn.LayerNorm)
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -135,6 +172,8 @@ class SwapReport:
             module.__class__ = original
             if not had_backend:
                 module.__dict__.pop("backend", None)
+            for attr in _RMS_ATTRS:
+                module.__dict__.pop(attr, None)
         self.reverted = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,21 +198,26 @@ class SwapReport:
         return "\n".join(lines)
 
 
-def _skip_reason(module: nn.LayerNorm, backend: Optional[str]) -> Optional[str]:
+_FUSED = (FusedLayerNorm, FusedAddLayerNorm, FusedRMSNorm, FusedAddRMSNorm, FusedRMSNormForward)
+
+
+def _skip_reason(module: nn.Module, backend: Optional[str], foreign_rms: Optional[NormSpec] = None) -> Optional[str]:
     cls = type(module)
-    if isinstance(module, (FusedLayerNorm, FusedAddLayerNorm)):
+    if isinstance(module, _FUSED):
         return f"already fused ({cls.__name__})"
     if torch.nn.utils.parametrize.is_parametrized(module):
         return "parametrized module (torch.nn.utils.parametrize): its class is managed by parametrize"
     base = _deferred_base(cls)
-    if base is not None and base is not nn.LayerNorm:
-        return f"placement-deferred norm over {base.__qualname__}, not a plain nn.LayerNorm"
-    if base is None and cls is not nn.LayerNorm and cls.forward is not nn.LayerNorm.forward:
+    if base is not None and base not in (nn.LayerNorm, getattr(nn, "RMSNorm", None)):
+        return f"placement-deferred norm over {base.__qualname__}, not a plain nn.LayerNorm / nn.RMSNorm"
+    if base is None and foreign_rms is None and _target_class(cls) is None:
+        kind = "LayerNorm" if isinstance(module, nn.LayerNorm) else "RMSNorm"
         return (
-            f"subclass {cls.__module__}.{cls.__qualname__} overrides forward(); swapping would drop "
-            "its behaviour (wrap FusedLayerNorm in your subclass if its forward is a plain LayerNorm)"
+            f"subclass {cls.__module__}.{cls.__qualname__} overrides forward() and is not recognised as an "
+            f"RMSNorm by what it computes ({explain_norm(module)}); swapping would drop its behaviour "
+            f"(wrap Fused{kind} in your subclass if its forward is a plain {kind})"
         )
-    shape = tuple(getattr(module, "normalized_shape", ()))
+    shape = tuple(getattr(module, "normalized_shape", ())) or (foreign_rms.normalized_shape if foreign_rms else ())
     if not shape:
         return "missing or empty normalized_shape"
     tensors = []
@@ -198,7 +242,7 @@ def _skip_reason(module: nn.LayerNorm, backend: Optional[str]) -> Optional[str]:
 
 
 def swap_layernorms(model: nn.Module, *, backend: Optional[str] = None) -> SwapReport:
-    """Convert every ``nn.LayerNorm`` in ``model`` (including ``model`` itself) to ``FusedLayerNorm`` in place.
+    """Convert every ``nn.LayerNorm`` and RMSNorm in ``model`` (including ``model`` itself) to a fused one in place.
 
     Each module keeps its identity, Parameter objects, hooks and attributes; only its class
     changes (see the module docstring for the rules on subclasses and skips). Swap before
@@ -232,15 +276,26 @@ def swap_layernorms(model: nn.Module, *, backend: Optional[str] = None) -> SwapR
     backend = _backend.canonical_backend(backend)
     report = SwapReport(backend=backend)
     for path, module in model.named_modules():
-        if not isinstance(module, nn.LayerNorm):
-            continue
-        reason = _skip_reason(module, backend)
+        foreign = None
+        if not (isinstance(module, nn.LayerNorm) or _is_nn_rms(module)):
+            if isinstance(module, _FUSED):
+                continue  # a swapped foreign RMSNorm met again (shared module): swapped once
+            foreign = _foreign_rms_spec(module)
+            if foreign is None:
+                continue
+        elif _is_nn_rms(module) and _deferred_base(type(module)) is None and not isinstance(module, _FUSED):
+            foreign = _foreign_rms_spec(module)  # an nn.RMSNorm subclass with its own forward
+        reason = _skip_reason(module, backend, foreign)
         if reason is not None:
             report.skipped.append(SkippedNorm(path, type(module).__qualname__, reason))
             continue
         original = type(module)
         had_backend = "backend" in module.__dict__
-        module.__class__ = _target_class(original)
+        module.__class__ = _target_class(original, foreign_rms=foreign is not None)
+        if foreign is not None:
+            d = module.__dict__
+            d["ln_rms_eps_attr"], d["ln_rms_offset"] = foreign.eps_attr, foreign.weight_offset
+            d["ln_rms_cast"], d["ln_rms_shape"] = foreign.cast_order, foreign.normalized_shape
         if backend is not None:
             module.backend = backend
         report._modules.append((module, original, had_backend))
@@ -256,13 +311,20 @@ def unswap_layernorms(model: nn.Module) -> SwapReport:
     reverted paths."""
     report = SwapReport(reverted=True)
     for path, module in model.named_modules():
-        if isinstance(module, FusedLayerNorm):
+        if isinstance(module, (FusedLayerNorm, FusedRMSNorm)) and type(module) not in (FusedAddLayerNorm, FusedAddRMSNorm):
             if _deferred_base(type(module)) is not None:
                 from ln_lightning.placement import hooks
 
-                module.__class__ = hooks._deferred_class(nn.LayerNorm)
+                plain = nn.LayerNorm if isinstance(module, FusedLayerNorm) else nn.RMSNorm
+                module.__class__ = hooks._deferred_class(plain)
             else:
                 module.__class__ = _original_class(module)
-            module.__dict__.pop("backend", None)
-            report.swapped.append(path)
+        elif isinstance(module, FusedRMSNormForward) and hasattr(type(module), "_ln_original_class"):
+            module.__class__ = type(module)._ln_original_class
+            for attr in _RMS_ATTRS:
+                module.__dict__.pop(attr, None)
+        else:
+            continue
+        module.__dict__.pop("backend", None)
+        report.swapped.append(path)
     return report

@@ -1,0 +1,114 @@
+"""The ``torch`` backend for fused add + RMSNorm, behind ``torch.library`` custom ops.
+
+float32 and bfloat16 CPU tensors run the compiled kernels of :mod:`._cpu_rms_kernels` when they
+can be built (one pass each way); everything else (float16, float64, other devices, a failed
+build) runs a composition of aten ops computing the same formula in float32 (float64 for float64).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _common, _cpu_rms_kernels, _rms_common
+
+
+def _weight_dtype(weight: Optional[Tensor]) -> Optional[torch.dtype]:
+    return None if weight is None else weight.dtype
+
+
+def apply_weight(n: Tensor, weight: Optional[Tensor], offset: float, rnd: Optional[torch.dtype],
+                 ydt: torch.dtype) -> Tensor:
+    """``y`` from the normalised ``n`` (compute dtype) in the cast order ``rnd`` describes."""
+    if rnd is not None:
+        n = n.to(rnd).to(n.dtype)
+    if weight is not None:
+        w = weight.to(n.dtype)
+        n.mul_(w + offset if offset else w)  # n is always a fresh temporary here
+    return n if n.dtype == ydt else n.to(ydt)
+
+
+def add_rms_norm_impl(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    eps: float,
+    residual_in_fp32: bool,
+    offset: float,
+    cast: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    rdt = _common.residual_dtype(x, residual, residual_in_fp32)
+    rnd = _rms_common.round_dtype(cast, x.dtype, _weight_dtype(weight))
+    ydt = _rms_common.output_dtype(cast, x.dtype, _weight_dtype(weight))
+    if _cpu_rms_kernels.usable_forward(x, rdt, rnd, ydt):
+        return _compiled_forward(x, residual, weight, eps, rdt, offset, rnd is not None)
+    if residual is None:
+        h = x.to(rdt)
+    elif x.dtype == rdt and residual.dtype == rdt:
+        h = torch.add(x, residual)
+    else:
+        h = x.to(rdt, copy=True)
+        h.add_(residual)  # upcasts residual on the fly, no temporary
+    cdt = _rms_common.compute_dtype(rdt)
+    hc = h if h.dtype == cdt else h.to(cdt)
+    # one pass for the mean square, no squared temporary
+    rstd = torch.linalg.vector_norm(hc, dim=-1).square_().div_(hc.shape[-1]).add_(eps).rsqrt_()
+    y = apply_weight(hc * rstd.unsqueeze(-1), weight, offset, rnd, ydt)
+    stored = _common.stores_residual(x, residual, residual_in_fp32)
+    return y, (h if stored else x.new_empty(0)), rstd
+
+
+def add_rms_norm_backward_impl(
+    dy: Tensor,
+    dresidual: Optional[Tensor],
+    h: Tensor,
+    rstd: Tensor,
+    weight: Optional[Tensor],
+    offset: float,
+    need_weight_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    need_w = need_weight_grad and weight is not None
+    if _cpu_rms_kernels.usable_backward(dy, h, None):
+        return _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w)
+    cdt = torch.promote_types(_rms_common.compute_dtype(h.dtype), dy.dtype)
+    hc = h if h.dtype == cdt else h.to(cdt)
+    r = rstd.to(cdt).unsqueeze(-1)
+    n = hc * r
+    dyc = dy if dy.dtype == cdt else dy.to(cdt)
+    g = dyc if weight is None else dyc * (weight.to(cdt) + offset)
+    dh = r * (g - n * (g * n).mean(-1, keepdim=True))
+    dh = dh if dh.dtype == h.dtype else dh.to(h.dtype)
+    if dresidual is not None:
+        dh.add_(dresidual)  # fused residual-gradient accumulation: no extra tensor
+    dw = (dyc * n).sum(0).to(weight.dtype) if need_w else h.new_empty(0)
+    return dh, dw
+
+
+def _compiled_forward(x, residual, weight, eps, rdt, offset, round_normed):
+    if residual is not None and residual.dtype not in (x.dtype, torch.float32):
+        # The stream is float32 here (see _cpu_kernels.usable_forward for the same rule).
+        residual = residual.float()
+    w = None if weight is None else weight.float().contiguous()
+    return tuple(_cpu_rms_kernels.module().add_rms_norm_fwd(
+        x, residual, w, float(eps), rdt == torch.float32, float(offset), round_normed
+    ))
+
+
+def _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w):
+    w = None if weight is None else weight.float().contiguous()
+    dh, dw = _cpu_rms_kernels.module().add_rms_norm_bwd(
+        dy, dresidual, h, rstd, w, float(offset), False, need_w
+    )
+    return dh, (dw.to(weight.dtype) if need_w else h.new_empty(0))
+
+
+add_rms_norm = torch.library.custom_op("ln_lightning::add_rms_norm", add_rms_norm_impl, mutates_args=())
+add_rms_norm_backward = torch.library.custom_op(
+    "ln_lightning::add_rms_norm_backward", add_rms_norm_backward_impl, mutates_args=()
+)
+add_rms_norm.register_fake(_rms_common.fake_forward)
+add_rms_norm_backward.register_fake(_rms_common.fake_backward)
+_rms_common.register_autograd(add_rms_norm, add_rms_norm_backward)
+add_rms_norm_eager = _rms_common.eager_function(add_rms_norm_impl, add_rms_norm_backward_impl)

@@ -1,0 +1,275 @@
+"""The ``triton`` backend for fused add + RMSNorm: forward and backward kernels.
+
+Imported only when the Triton backend is used (never by ``import ln_lightning.norm`` without CUDA).
+Same design as the LayerNorm kernels (:mod:`._triton_ops`, whose ``_cast`` helper is reused):
+
+* Forward: one program per row; rows up to ``MAX_SINGLE_BLOCK`` wide in registers, wider rows
+  (to 65536 and beyond) in blocks: a first pass sums ``h**2`` (a plain sum, no merge needed), a
+  second re-reads the row (from L2) to normalise. Masked lanes load as 0, so they add nothing.
+* float32 statistics and arithmetic whatever the input dtype (explicit upcasts).
+* Backward: a fixed grid of programs, each owning a contiguous range of rows and accumulating its
+  weight gradient in float32 into its own row of a partials buffer, reduced by ``torch.sum``. No
+  atomics: bitwise deterministic for a given shape and device.
+* The launch configuration is the pure function :func:`launch_config` (no autotuning).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from . import _common, _rms_common
+from ._triton_ops import _cast
+
+MAX_SINGLE_BLOCK = 8192  # widest row held in registers; wider rows are processed in blocks
+LOOP_BLOCK = 4096
+BWD_PROGRAMS_PER_SM = 2
+
+# ROUND codes: 0 none, 1 round n to x's dtype, 2 to the weight's (see _rms_common.CAST_ORDERS).
+_ROUND_NONE, _ROUND_X, _ROUND_W = 0, 1, 2
+
+
+@triton.jit
+def _weighted(n, W, cols, mask, offset, X_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND: tl.constexpr):
+    if ROUND == 1:
+        n = _cast(n, X_DTYPE).to(tl.float32)
+    if ROUND == 2:
+        n = _cast(n, W.dtype.element_ty).to(tl.float32)
+    if HAS_WEIGHT:
+        n = n * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset)
+    return n
+
+
+@triton.jit
+def _rms_fwd_kernel(
+    X, R, W, Y, H, RSTD,
+    stride_x, stride_r, stride_y, stride_h,
+    N, eps, offset,
+    HAS_RESIDUAL: tl.constexpr, STORE_H: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X += row * stride_x
+    Y += row * stride_y
+    if HAS_RESIDUAL:
+        R += row * stride_r
+    if STORE_H:
+        H += row * stride_h
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE_BLOCK:
+        mask = cols < N
+        h = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h += tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)
+        if STORE_H:
+            h_stored = _cast(h, H.dtype.element_ty)
+            tl.store(H + cols, h_stored, mask=mask)
+            h = h_stored.to(tl.float32)  # normalise exactly the residual we return
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+        y = _weighted(h * rstd, W, cols, mask, offset, X.dtype.element_ty, HAS_WEIGHT, ROUND)
+        tl.store(Y + cols, _cast(y, Y.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = c < N
+            h = tl.load(X + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                h += tl.load(R + c, mask=mask, other=0.0).to(tl.float32)
+            if STORE_H:
+                h_stored = _cast(h, H.dtype.element_ty)
+                tl.store(H + c, h_stored, mask=mask)
+                h = h_stored.to(tl.float32)
+            acc += h * h
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = c < N
+            if STORE_H:
+                h = tl.load(H + c, mask=mask, other=0.0).to(tl.float32)
+            else:
+                h = tl.load(X + c, mask=mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    h += tl.load(R + c, mask=mask, other=0.0).to(tl.float32)
+            y = _weighted(h * rstd, W, c, mask, offset, X.dtype.element_ty, HAS_WEIGHT, ROUND)
+            tl.store(Y + c, _cast(y, Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_bwd_kernel(
+    DY, DRES, H, W, RSTD, DH, DW_PART,
+    stride_dy, stride_dres, stride_h, stride_dh,
+    M, N, rows_per_program, offset,
+    HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program  # int64 row offsets: rows*N may pass 2**31
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    cols = tl.arange(0, BLOCK_N)
+    part = pid.to(tl.int64) * N
+    if SINGLE_BLOCK:
+        mask = cols < N
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for row in range(row_start, row_end):
+            r64 = row
+            h = tl.load(H + r64 * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + r64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_DRES:
+                dres = tl.load(DRES + r64 * stride_dres + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + r64).to(tl.float32)
+            n = h * rstd
+            if HAS_WEIGHT:
+                g = dy * w
+            else:
+                g = dy
+            if NEED_DW:
+                dw_acc += dy * n
+            c = tl.sum(g * n, axis=0) / N
+            dh = (g - n * c) * rstd
+            if HAS_DRES:
+                dh += dres
+            tl.store(DH + r64 * stride_dh + cols, _cast(dh, DH.dtype.element_ty), mask=mask)
+        if NEED_DW:
+            tl.store(DW_PART + part + cols, dw_acc, mask=mask)
+    else:
+        # The partials rows were zeroed by the host; each program only touches its own row.
+        for row in range(row_start, row_end):
+            r64 = row
+            rstd = tl.load(RSTD + r64).to(tl.float32)
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = c < N
+                h = tl.load(H + r64 * stride_h + c, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(DY + r64 * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    g = g * (tl.load(W + c, mask=mask, other=0.0).to(tl.float32) + offset)
+                acc += g * (h * rstd)
+            coef = tl.sum(acc, axis=0) / N
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = c < N
+                n = tl.load(H + r64 * stride_h + c, mask=mask, other=0.0).to(tl.float32) * rstd
+                dy = tl.load(DY + r64 * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    g = dy * (tl.load(W + c, mask=mask, other=0.0).to(tl.float32) + offset)
+                else:
+                    g = dy
+                dh = (g - n * coef) * rstd
+                if HAS_DRES:
+                    dh += tl.load(DRES + r64 * stride_dres + c, mask=mask, other=0.0).to(tl.float32)
+                tl.store(DH + r64 * stride_dh + c, _cast(dh, DH.dtype.element_ty), mask=mask)
+                if NEED_DW:
+                    dw_old = tl.load(DW_PART + part + c, mask=mask, other=0.0)
+                    tl.store(DW_PART + part + c, dw_old + dy * n, mask=mask)
+
+
+def launch_config(n: int) -> tuple[int, bool, int]:
+    """``(BLOCK_N, single_block, num_warps)`` for a row width ``n``: a pure function of ``n``, shared
+    by the forward and the backward (so an ahead-of-time compile check can enumerate it)."""
+    block = triton.next_power_of_2(max(n, 1))
+    if block <= MAX_SINGLE_BLOCK:
+        return block, True, 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return LOOP_BLOCK, False, 8
+
+
+def _num_programs(rows: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(rows, sms * BWD_PROGRAMS_PER_SM))
+    return max(1, min(rows, 4))  # the CPU interpreter: few programs, it runs them serially
+
+
+def _round_code(x: Tensor, weight: Optional[Tensor], cast: str) -> int:
+    rnd = _rms_common.round_dtype(cast, x.dtype, None if weight is None else weight.dtype)
+    if rnd is None:
+        return _ROUND_NONE
+    return _ROUND_X if rnd == x.dtype else _ROUND_W
+
+
+def _check_triton_dtypes(*tensors: Optional[Tensor]) -> None:
+    for t in tensors:
+        if t is not None and t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"the Triton RMSNorm kernels take float32/float16/bfloat16, got {t.dtype}")
+
+
+def triton_add_rms_norm_impl(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    eps: float,
+    residual_in_fp32: bool,
+    offset: float,
+    cast: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_triton_dtypes(x, residual, weight)
+    rows, n = x.shape
+    stored = _common.stores_residual(x, residual, residual_in_fp32)
+    rdt = _common.residual_dtype(x, residual, residual_in_fp32)
+    ydt = _rms_common.output_dtype(cast, x.dtype, None if weight is None else weight.dtype)
+    y = torch.empty((rows, n), dtype=ydt, device=x.device)
+    h = torch.empty((rows, n), dtype=rdt, device=x.device) if stored else x.new_empty(0)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return y, h, rstd
+    block, single, warps = launch_config(n)
+    # Absent operands get their own empty tensors (never dereferenced), as in _triton_ops.
+    r_arg = residual if residual is not None else x.new_empty((0, n))
+    h_arg = h if stored else y.new_empty((0, n))
+    wrap_triton(_rms_fwd_kernel)[(rows,)](
+        x, r_arg, weight if weight is not None else x.new_empty(0), y, h_arg, rstd,
+        x.stride(0), n, y.stride(0), n,
+        n, eps, float(offset),
+        HAS_RESIDUAL=residual is not None, STORE_H=stored, HAS_WEIGHT=weight is not None,
+        ROUND=_round_code(x, weight, cast),
+        BLOCK_N=block, SINGLE_BLOCK=single, num_warps=warps,
+    )
+    return y, h, rstd
+
+
+def triton_add_rms_norm_backward_impl(
+    dy: Tensor,
+    dresidual: Optional[Tensor],
+    h: Tensor,
+    rstd: Tensor,
+    weight: Optional[Tensor],
+    offset: float,
+    need_weight_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    rows, n = h.shape
+    need_w = need_weight_grad and weight is not None
+    dh = torch.empty_like(h)
+    programs = _num_programs(rows, h.device)
+    block, single, warps = launch_config(n)
+    alloc = torch.empty if single else torch.zeros
+    dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_w else h.new_empty(0, dtype=torch.float32)
+    if rows > 0:
+        dres_arg = dresidual if dresidual is not None else dy.new_empty((0, n))
+        wrap_triton(_rms_bwd_kernel)[(programs,)](
+            dy, dres_arg, h, weight if weight is not None else h.new_empty(0), rstd, dh, dw_part,
+            dy.stride(0), n, h.stride(0), dh.stride(0),
+            rows, n, triton.cdiv(rows, programs), float(offset),
+            HAS_DRES=dresidual is not None, HAS_WEIGHT=weight is not None, NEED_DW=need_w,
+            BLOCK_N=block, SINGLE_BLOCK=single, num_warps=warps,
+        )
+    else:  # no rows: the partials must read as zero
+        dw_part.zero_()
+    dw = dw_part.sum(0).to(weight.dtype) if need_w else h.new_empty(0)
+    return dh, dw
+
+
+triton_add_rms_norm = triton_op("ln_lightning::triton_add_rms_norm", triton_add_rms_norm_impl, mutates_args=())
+triton_add_rms_norm_backward = triton_op(
+    "ln_lightning::triton_add_rms_norm_backward", triton_add_rms_norm_backward_impl, mutates_args=()
+)
+_rms_common.register_autograd(triton_add_rms_norm, triton_add_rms_norm_backward)
+triton_add_rms_norm_eager = _rms_common.eager_function(triton_add_rms_norm_impl, triton_add_rms_norm_backward_impl)

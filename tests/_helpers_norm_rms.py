@@ -1,0 +1,131 @@
+"""Shared references for the fused RMSNorm tests (torch backend and Triton interpreter).
+
+The accuracy criterion is the LayerNorm one (tests/_helpers_norm.py): for the forward output and
+every gradient, max |ours - fp64| <= 2 * max |torch at the same dtype - fp64| + slack, where
+"torch" is the eager pipeline ``h = x + residual; y = <the reference module's formula>(h)`` with
+autograd, written out here as Hugging Face writes each cast order, and fp64 is the textbook
+formula ``h / sqrt(mean(h**2) + eps) * (offset + w)`` in float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from hypothesis import strategies as st
+
+from _helpers_norm import ABS_SLACK, Case, _run
+from ln_lightning.norm import fused_add_rms_norm
+
+EPS = 1e-5
+
+
+@dataclasses.dataclass
+class RMSCase:
+    base: Case  # rows, hidden, dtype, residual, affine ("none": no weight), offset, constant rows, ...
+    cast_order: str  # "fp32" | "llama" | "t5"
+    unit_offset: bool  # weight applied as 1 + w (Gemma)
+
+
+@st.composite
+def rms_cases(draw, max_rows: int = 8, max_hidden: int = 300, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+    from _helpers_norm import cases
+
+    base = draw(cases(max_rows=max_rows, max_hidden=max_hidden, dtypes=dtypes))
+    return RMSCase(base, draw(st.sampled_from(["fp32", "llama", "t5"])), draw(st.booleans()))
+
+
+def torch_formula(h: torch.Tensor, w: Optional[torch.Tensor], offset: float, cast_order: str,
+                  in_dtype: torch.dtype) -> torch.Tensor:
+    """The reference modules' own code (HF LlamaRMSNorm / Gemma2RMSNorm / T5LayerNorm), applied to
+    the stream ``h``, with ``in_dtype`` the dtype the model runs in."""
+    hf = h.to(torch.float32) if h.dtype != torch.float64 else h
+    n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)
+    if w is None:
+        return n.to(in_dtype)
+    # No HF class combines these orders with a 1 + w weight; ln_lightning defines the offset as
+    # Gemma does, added in float32 (1.0 + w.float()), then one rounding to the output dtype.
+    if cast_order == "llama":
+        if offset:
+            return ((offset + w.float()) * n.to(in_dtype).float()).to(torch.promote_types(w.dtype, in_dtype))
+        return w * n.to(in_dtype)
+    if cast_order == "t5":
+        if w.dtype in (torch.float16, torch.bfloat16):
+            n = n.to(w.dtype)
+        return ((offset + w.float()) * n.float()).to(torch.promote_types(w.dtype, n.dtype)) if offset else w * n
+    return (n * (offset + w.float())).to(in_dtype)  # Gemma's order (= nn.RMSNorm's with offset 0)
+
+
+def errors(case: RMSCase, backend: Optional[str]) -> dict[str, tuple[float, float, float]]:
+    """{quantity: (our error, torch's error, max |reference|)} against a float64 reference."""
+    c = case.base
+    x, r, w, _b, gy, gh = c.tensors()
+    if c.affine == "none":
+        w = None
+    offset = 1.0 if (case.unit_offset and w is not None) else 0.0
+
+    def ours(x, r, w, _b):
+        return fused_add_rms_norm(x, r, w, EPS, residual_in_fp32=c.residual_in_fp32, weight_offset=offset,
+                                  cast_order=case.cast_order, backend=backend)
+
+    def torch_pipeline(x, r, w, _b):
+        if c.residual_in_fp32:
+            h = x.float() + (r.float() if r is not None else 0)
+        else:
+            h = x + r if r is not None else x
+        return torch_formula(h, w, offset, case.cast_order, x.dtype), h
+
+    def reference(x, r, w, _b):
+        h = x + r if r is not None else x
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+        return (n if w is None else n * (offset + w)), h
+
+    f64 = lambda t: None if t is None else t.double()
+    yo, ho, go = _run(x, r, w, None, gy, gh, ours)
+    yt, ht, gt = _run(x, r, w, None, gy, gh, torch_pipeline)
+    assert yo.dtype == yt.dtype, f"output dtype {yo.dtype}, the reference module gives {yt.dtype}"
+    gy = gy.to(yo.dtype).double()
+    if gh is not None and ho is not None and ho.dtype != torch.float64:
+        gh = gh.to(ho.dtype).double()
+    yr, hr, gr = _run(f64(x), f64(r), f64(w), None, gy, gh, reference)
+    assert yo.shape == x.shape and torch.isfinite(yo).all()
+    if c.residual_in_fp32:
+        assert ho.dtype == torch.float32
+    err = lambda a, ref: (a.double() - ref).abs().max().item() if a.numel() else 0.0
+    scale = lambda ref: ref.abs().max().item() if ref.numel() else 0.0
+    out = {"y": (err(yo, yr), err(yt, yr), scale(yr)), "residual": (err(ho, hr), err(ht, hr), scale(hr))}
+    for name, leaf in zip("xrw", (x, r, w)):
+        if gr[name] is not None:
+            assert go[name] is not None, f"no gradient for {name}"
+            assert go[name].dtype == leaf.dtype, f"d{name} has dtype {go[name].dtype}, input has {leaf.dtype}"
+            out["d" + name] = (err(go[name], gr[name]), err(gt[name], gr[name]), scale(gr[name]))
+    return out
+
+
+def assert_within_torch_error(case: RMSCase, backend: Optional[str]) -> dict[str, tuple[float, float, float]]:
+    found = errors(case, backend)
+    for name, (ours, theirs, scale) in found.items():
+        slack = ABS_SLACK * max(1.0, scale)
+        assert ours <= 2 * theirs + slack, f"{name}: our error {ours:.3e} > 2 x torch's {theirs:.3e} + {slack:.1e} ({case})"
+    return found
+
+
+def assert_rows_independent(backend: Optional[str], dtype=torch.float32, hidden: int = 37, rows: int = 6) -> None:
+    """Row 0's output and input gradients must not change when the other rows do."""
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(4)]  # x, r, gy, gh
+    w = torch.randn(hidden, generator=g).to(dtype)
+    results = []
+    for variant in range(2):
+        x, r, gy, gh = [t.clone() for t in base]
+        if variant:
+            for t in (x, r, gy, gh):
+                t[1:] = 100 * torch.randn(rows - 1, hidden, generator=g).to(dtype) + 50
+        x.requires_grad_()
+        r.requires_grad_()
+        y, h = fused_add_rms_norm(x, r, w, EPS, backend=backend)
+        dx, dr = torch.autograd.grad([y, h], [x, r], [gy, gh])
+        results.append((y[0], h[0], dx[0], dr[0]))
+    for name, a, c in zip(("y", "new_residual", "dx", "dresidual"), *results):
+        assert torch.equal(a, c), f"row 0's {name} changed when other rows changed"

@@ -1,0 +1,278 @@
+"""Fused RMSNorm on the torch backend (compiled CPU kernels and the aten composition): numerics
+against float64, cast orders, modules, custom ops and torch.compile. Triton: test_norm_rms_triton.py;
+recognition: test_norm_kinds.py; swapping HF models: test_norm_rms_swap.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from torch import nn
+
+from _helpers_norm import Case
+from _helpers_norm_rms import EPS, RMSCase, assert_rows_independent, assert_within_torch_error, rms_cases
+from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, fused_add_rms_norm, rms_norm, swap_layernorms
+from ln_lightning.norm import _cpu_rms_kernels, _rms_torch_ops, functional_rms
+
+
+@pytest.fixture(autouse=True)
+def _fused_function_path(monkeypatch):
+    # The tests below exercise the fused op even on tiny tensors (the composition used under
+    # functional_rms.EAGER_COMPOSITE_BELOW is covered by the float64 sweep).
+    monkeypatch.setattr(functional_rms, "EAGER_COMPOSITE_BELOW", 0)
+
+
+@pytest.fixture(params=["compiled", "aten"])
+def cpu_path(request, monkeypatch):
+    """Both torch-backend paths, and a counter proving which one ran: compiled forward calls."""
+    if request.param == "compiled":
+        if _cpu_rms_kernels.module() is None:
+            pytest.fail(f"the compiled CPU RMSNorm kernels did not build: {_cpu_rms_kernels.failure}")
+    else:
+        monkeypatch.setattr(_cpu_rms_kernels, "_state", "disabled")
+    calls = []
+    real = _rms_torch_ops._compiled_forward
+    monkeypatch.setattr(_rms_torch_ops, "_compiled_forward", lambda *a: calls.append(1) or real(*a))
+    return request.param, calls
+
+
+def _compiled_expected(case: RMSCase) -> bool:
+    from ln_lightning.norm import _rms_common
+
+    c = case.base
+    wdt = None if c.affine == "none" else c.dtype
+    rnd = _rms_common.round_dtype(case.cast_order, c.dtype, wdt)
+    ydt = _rms_common.output_dtype(case.cast_order, c.dtype, wdt)
+    return c.dtype in (torch.float32, torch.bfloat16) and ydt == c.dtype and rnd in (None, c.dtype)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=rms_cases(max_rows=8, max_hidden=300))
+def test_matches_float64_within_twice_torch_error(case, cpu_path):
+    # Both eager paths: the custom autograd.Function (kernels or aten ops inside) and the plain
+    # composition used for tiny tensors.
+    name, calls = cpu_path
+    for threshold in (0, 1 << 60):
+        functional_rms.EAGER_COMPOSITE_BELOW = threshold
+        try:
+            before = len(calls)
+            assert_within_torch_error(case, backend="torch")
+            ran_compiled = len(calls) > before
+            assert ran_compiled == (threshold == 0 and name == "compiled" and _compiled_expected(case)), (name, case)
+        finally:
+            functional_rms.EAGER_COMPOSITE_BELOW = 1 << 13
+
+
+EDGE = [
+    RMSCase(Case(1, 1, torch.float32, True, "full", 0.0, 0, False, 1), "fp32", False),  # width 1
+    RMSCase(Case(1, 257, torch.bfloat16, True, "no_bias", 1e4, 0, False, 2), "llama", False),  # one row, 1e4
+    RMSCase(Case(5, 33, torch.float16, False, "none", 0.0, 2, False, 3), "fp32", False),  # no weight
+    RMSCase(Case(4, 96, torch.bfloat16, False, "full", 1e4, 2, True, 4), "fp32", True),  # fp32 stream from None
+    RMSCase(Case(3, 255, torch.bfloat16, True, "full", 0.0, 1, True, 5), "t5", False),
+    RMSCase(Case(3, 4099, torch.float16, True, "full", 1e4, 1, False, 6), "llama", True),  # fp16 offset
+    RMSCase(Case(2, 5000, torch.float32, True, "full", 1e4, 0, True, 7), "fp32", True),
+]
+
+
+@pytest.mark.parametrize("case", EDGE, ids=lambda c: f"{c.base.rows}x{c.base.hidden}-{str(c.base.dtype)[6:]}-{c.cast_order}")
+def test_edge_cases(case, cpu_path):
+    assert_within_torch_error(case, backend="torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zero_rows(dtype, cpu_path):
+    x = torch.randn(0, 3, 16, dtype=dtype, requires_grad=True)
+    r = torch.randn(0, 3, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(16, dtype=dtype, requires_grad=True)
+    y, h = fused_add_rms_norm(x, r, w, EPS, backend="torch")
+    assert y.shape == h.shape == (0, 3, 16)
+    dx, dr, dw = torch.autograd.grad([y, h], [x, r, w], [torch.ones_like(y), torch.ones_like(h)])
+    assert dx.shape == x.shape and dr.shape == r.shape and torch.equal(dw, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_independent(dtype, cpu_path):
+    assert_rows_independent("torch", dtype)
+
+
+def test_compiled_kernels_are_deterministic_across_thread_counts():
+    assert _cpu_rms_kernels.module() is not None, _cpu_rms_kernels.failure
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 96, generator=g, dtype=torch.bfloat16)
+    r = torch.randn(300, 96, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(96, generator=g).requires_grad_()
+    grads = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y, h = fused_add_rms_norm(x, r, w, EPS, backend="torch")
+            grads.append(torch.autograd.grad((y.float() * 1.3).sum() + h.float().sum(), [w])[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(*grads)
+
+
+def test_compiled_kernels_reject_bad_layouts():
+    mod = _cpu_rms_kernels.module()
+    assert mod is not None, _cpu_rms_kernels.failure
+    with pytest.raises(RuntimeError, match="contiguous"):
+        mod.add_rms_norm_fwd(torch.randn(4, 8).t(), None, None, 1e-5, False, 0.0, False)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        mod.add_rms_norm_fwd(torch.randn(4, 8, dtype=torch.float16), None, None, 1e-5, False, 0.0, False)
+
+
+def test_fused_rmsnorm_is_nn_rmsnorm_in_signature_state_and_results():
+    torch.manual_seed(0)
+    ref = nn.RMSNorm(48, eps=1e-6)
+    nn.init.normal_(ref.weight)
+    fused = FusedRMSNorm(48, eps=1e-6)
+    assert fused.load_state_dict(ref.state_dict()).missing_keys == []
+    assert list(fused.state_dict()) == list(ref.state_dict()) == ["weight"]
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        r_, f_ = copy.deepcopy(ref).to(dtype), copy.deepcopy(fused).to(dtype)
+        xd = x.detach().to(dtype).requires_grad_()
+        y_ref, y = r_(xd), f_(xd)
+        assert y.dtype == y_ref.dtype
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(y, y_ref, **tol)
+    # eps=None: the input dtype's machine epsilon, as nn.RMSNorm
+    ref_none, fused_none = nn.RMSNorm(8, elementwise_affine=False), FusedRMSNorm(8, elementwise_affine=False)
+    tiny = torch.full((2, 8), 1e-5)
+    torch.testing.assert_close(fused_none(tiny), ref_none(tiny))
+
+
+def test_fused_add_module_and_functional_plain():
+    norm = FusedAddRMSNorm(16, eps=1e-6, weight_offset=1.0, cast_order="llama")
+    nn.init.normal_(norm.weight)
+    x, r = torch.randn(2, 16), torch.randn(2, 16)
+    y, h = norm(x, r)
+    h64 = (x + r).double()
+    want = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight.double())
+    assert torch.equal(h, x + r)
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+    y0, same = norm(x)
+    assert same is x
+    torch.testing.assert_close(rms_norm(x, (16,), norm.weight, 1e-6), F.rms_norm(x, (16,), norm.weight, 1e-6))
+    assert "weight_offset=1.0" in repr(norm) and "cast_order='llama'" in repr(norm)
+
+
+def test_bad_inputs_get_clear_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="cast order"):
+        fused_add_rms_norm(x, None, None, cast_order="gemma")
+    with pytest.raises(ValueError, match="last 1 dims"):
+        fused_add_rms_norm(x, None, torch.ones(7))
+    with pytest.raises(ValueError, match="must equal x shape"):
+        fused_add_rms_norm(x, torch.randn(2, 7), None)
+    if not x.is_cuda:  # CPU tensors: a forced Triton backend raises instead of falling back
+        with pytest.raises(RuntimeError, match="'triton' was requested"):
+            fused_add_rms_norm(x, None, None, backend="triton")
+
+
+def test_custom_ops_pass_opcheck():
+    x, r, w = torch.randn(3, 10), torch.randn(3, 10), torch.randn(10)
+    for args in ((x, r, w, 1e-5, False, 0.0, "fp32"), (x.bfloat16(), None, w.bfloat16(), 1e-5, True, 1.0, "llama"),
+                 (x.half(), r.half(), w, 1e-5, False, 0.0, "t5")):
+        args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(_rms_torch_ops.add_rms_norm, args)
+
+
+class _PreNormRMSBlock(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.n1 = FusedRMSNorm(d, eps=1e-6)
+        self.fc1 = nn.Linear(d, d)
+        self.add_norm = FusedAddRMSNorm(d, eps=1e-6, weight_offset=1.0)
+        self.fc2 = nn.Linear(d, d)
+
+    def forward(self, stream):
+        branch = self.fc1(self.n1(stream))
+        normed, stream = self.add_norm(branch, stream)
+        return stream + self.fc2(normed)
+
+
+def test_torch_compile_fullgraph_no_graph_break():
+    torch.manual_seed(0)
+    block = _PreNormRMSBlock()
+    x = torch.randn(4, 5, 32, requires_grad=True)
+    explanation = torch._dynamo.explain(block)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    gc = torch.autograd.grad(out.sum(), [x, block.add_norm.weight])
+    ref = block(x)
+    gr = torch.autograd.grad(ref.sum(), [x, block.add_norm.weight])
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(gc, gr):
+        torch.testing.assert_close(a, b)
+
+
+class _PostNormRMSBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.f = nn.Linear(d, d)
+        self.n = nn.RMSNorm(d, eps=1e-6)
+
+    def forward(self, x):
+        return self.n(x + self.f(x))
+
+
+def test_swap_after_placement_convert_keeps_the_conversion():
+    placement = pytest.importorskip("ln_lightning.placement")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_PostNormRMSBlock(16) for _ in range(3)])
+    x = torch.randn(4, 16)
+    placement.convert(model, "pre")
+    deferred_type = type(model[0].n)
+    before = model(x)
+    report = swap_layernorms(model)
+    assert "0.n" in report.swapped and not report.skipped
+    norm = model[0].n
+    assert isinstance(norm, FusedRMSNorm) and getattr(norm, "ln_lightning_deferred", False)
+    torch.testing.assert_close(model(x), before, rtol=1e-6, atol=1e-6)
+    report.revert()
+    assert type(model[0].n) is deferred_type
+    assert torch.equal(model(x), before)
+
+
+class _RMSKeepsInit(nn.RMSNorm):
+    def __init__(self, d):
+        super().__init__(d, eps=1e-6)
+
+
+class _RMSUpcasts(nn.RMSNorm):  # still an RMSNorm: recognised by the probe, swapped
+    def forward(self, x):
+        return super().forward(x.float()).type_as(x)
+
+
+class _RMSClamps(nn.RMSNorm):  # computes something else: skipped, with the reason
+    def forward(self, x):
+        return super().forward(x).clamp(-0.5, 0.5)
+
+
+def test_swap_nn_rmsnorm_family_report_revert_and_pickle():
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.RMSNorm(8), _RMSKeepsInit(8), _RMSUpcasts(8), _RMSClamps(8), nn.LayerNorm(8))
+    for m in model:
+        nn.init.normal_(m.weight)
+    x = torch.randn(5, 8)
+    before = model(x)
+    state = copy.deepcopy(model.state_dict())
+    report = swap_layernorms(model)
+    assert report.swapped == ["0", "1", "2", "4"]
+    assert [s.path for s in report.skipped] == ["3"] and "overrides forward()" in report.skipped[0].reason
+    assert type(model[0]) is FusedRMSNorm and isinstance(model[1], _RMSKeepsInit) and isinstance(model[2], _RMSUpcasts)
+    torch.testing.assert_close(model(x), before, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    clone = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+    report.revert()
+    assert [type(m) for m in model] == [nn.RMSNorm, _RMSKeepsInit, _RMSUpcasts, _RMSClamps, nn.LayerNorm]
+    assert torch.equal(model(x), before)
