@@ -39,6 +39,7 @@ W2V = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermedi
            conv_kernel=(3, 3), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
            attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0)
 
+LLM = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=99)
 BERT_LAYER = [("attention.output.LayerNorm", [("attention.self", (0,), ())]), ("output.LayerNorm", [("intermediate", (0,), ())])]
 ENC_LAYER = [("self_attn_layer_norm", [("self_attn", (0,), ())]), ("final_layer_norm", [("fc1", (0,), ())])]
 DEC_LAYER = [("self_attn_layer_norm", [("self_attn", (0,), ())]), ("encoder_attn_layer_norm", [("encoder_attn", (0,), ())]),
@@ -263,7 +264,33 @@ PRE_NORM = [
                                                          bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)),
      lambda: {"input_features": torch.randn(2, 8, 16), "decoder_input_ids": _ids(5)}, "encoder.layer_norm"),
     ("clip-text", lambda: T.CLIPTextModel(T.CLIPTextConfig(**H)), None, "final_layer_norm"),
+    # RMSNorm families: their own norm classes, recognised by what they compute.
+    ("llama", lambda: T.LlamaModel(T.LlamaConfig(**LLM)), None, "norm"),
+    ("qwen2", lambda: T.Qwen2Model(T.Qwen2Config(**LLM)), None, "norm"),
+    ("mistral", lambda: T.MistralModel(T.MistralConfig(**LLM)), None, "norm"),
+    ("t5 (T5LayerNorm)", lambda: T.T5Model(T.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=99)),
+     lambda: {"input_ids": _ids(), "decoder_input_ids": _ids(5)}, "encoder.final_layer_norm"),
 ]
+
+
+@pytest.mark.parametrize("name, build, placement", [
+    ("gemma2", lambda: T.Gemma2Model(T.Gemma2Config(**LLM, head_dim=16)), "peri"),
+    ("gemma3", lambda: T.Gemma3TextModel(T.Gemma3TextConfig(**LLM, head_dim=16)), "peri"),
+    ("olmo2", lambda: T.Olmo2Model(T.Olmo2Config(**LLM)), "output"),
+])
+def test_llm_placements_are_reported(name, build, placement):
+    """Gemma 2/3: RMSNorm before and after each sublayer (weight stored as 1 + w); OLMo 2: on each
+    sublayer's output only. Reported as such, with the final norm; `"pre"` refuses them with the reason."""
+    torch.manual_seed(0)
+    model = build()
+    report = inspect_model(model)
+    assert [b.placement for b in report.blocks] == [placement] * 2, str(report)
+    assert [s.final_norm for s in report.stacks] == ["norm"]
+    saved = copy.deepcopy(model.state_dict())
+    conv = convert(model, "pre")
+    assert not conv.changed and all(b.status == "skipped" and "post-norm sublayers" in b.reason for b in conv.blocks), str(conv)
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    RESULTS.append((name, f"reported {placement}", "-", 0.0))
 
 
 @pytest.mark.parametrize("name, build, example, final", PRE_NORM, ids=[p[0] for p in PRE_NORM])

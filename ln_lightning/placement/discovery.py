@@ -316,10 +316,13 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
 
 
 def _holds_a_stack(m: nn.Module) -> bool:
+    """Does `m` hold a container of blocks: children that hold norms, all of one class? (T5's block
+    holds a container of *different* sublayer modules: it is one block itself.)"""
     types = norm_types()
     for sub in m.modules():
         if sub is not m and isinstance(sub, CONTAINERS):
-            if any(not isinstance(c, types) and _contains_norm(c) for c in sub.children()):
+            inner = [c for c in sub.children() if not isinstance(c, types) and _contains_norm(c)]
+            if inner and len({type(c) for c in inner}) == 1:
                 return True
     return False
 

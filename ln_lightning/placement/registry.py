@@ -68,11 +68,14 @@ def registered_sublayers(module: nn.Module) -> tuple[Sublayer, ...] | None:
 
 
 def register_norm_class(norm_class: type) -> None:
-    """Treat `norm_class` (an nn.Module normalising its input's last dimensions) as a LayerNorm."""
+    """Treat `norm_class` (an nn.Module normalising its input's last dimensions) as a norm (LayerNorm or RMSNorm, decided by what it computes)."""
     if not (isinstance(norm_class, type) and issubclass(norm_class, nn.Module)):
         raise PlacementError(f"register_norm_class expects an nn.Module subclass, got {norm_class!r}")
     if norm_class not in _norms:
         _norms.append(norm_class)
+    from ln_lightning.norm import kinds
+
+    kinds.register_norm_class(norm_class)  # one registry: the swap and the monitors see it too
 
 
 def registered_norm_classes() -> list[type]:
