@@ -369,7 +369,7 @@ def test_an_error_raised_inside_our_own_check_is_raised_not_reported_as_a_skip(m
     def broken(*a, **k):
         raise ZeroDivisionError("a bug in ln_lightning")
 
-    monkeypatch.setattr(blocks, "check_hooked_pre", broken)
+    monkeypatch.setattr(blocks, "check_hooked", broken)
     model = _trained(nn.ModuleList([PostBlock()]))
     saved = _state(model)
     with pytest.raises(ZeroDivisionError):

@@ -118,6 +118,7 @@ class ReturnsExtra(nn.Module):
 
 
 _PRE_FORMULA = {
+    Sandwich: lambda o, x: x + o.fc(_ln(o.ln_in, x)),
     Post: lambda o, x: x + o.fc(_ln(o.ln, x)),
     FunctionLast: lambda o, x: x + torch.tanh(o.fc(_ln(o.ln, x))),
     DataDependent: lambda o, x: (lambda s: s + o.ffn(_ln(o.ln2, s)))(x + o.attn(_ln(o.ln1, x))),
@@ -135,7 +136,7 @@ def _one(block_cls, **kw):
     [
         (Post, "converted", ""),
         (PreNormBlock, "already", ""),
-        (Sandwich, "skipped", "sandwich"),
+        (Sandwich, "converted", ""),  # peri (sandwich) to pre: its output norm passes through
         (FunctionFirst, "skipped", "a function, not a module"),
         # A function at the branch's end needs no hook (only a branch scale would): it converts.
         (FunctionLast, "converted", ""),

@@ -280,34 +280,17 @@ PRE_NORM = [
 ])
 def test_llm_placements_are_reported(name, build, placement):
     """Gemma 2/3: RMSNorm before and after each sublayer (weight stored as 1 + w); OLMo 2: on each
-    sublayer's output only. Reported as such, with the final norm; `"pre"` refuses them with the reason."""
+    sublayer's output only. Reported as such, with the final norm; `"post"` refuses them with the reason."""
     torch.manual_seed(0)
     model = build()
     report = inspect_model(model)
     assert [b.placement for b in report.blocks] == [placement] * 2, str(report)
     assert [s.final_norm for s in report.stacks] == ["norm"]
     saved = copy.deepcopy(model.state_dict())
-    conv = convert(model, "pre")
-    assert not conv.changed and all(b.status == "skipped" and "post-norm sublayers" in b.reason for b in conv.blocks), str(conv)
+    conv = convert(model, "post")
+    assert not conv.changed and all(b.status == "skipped" and "only undo its own rewrite" in b.reason for b in conv.blocks), str(conv)
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     RESULTS.append((name, f"reported {placement}", "-", 0.0))
-
-
-@pytest.mark.parametrize("name, build, example, final", PRE_NORM, ids=[p[0] for p in PRE_NORM])
-def test_pre_norm_families_are_reported_already_pre_with_their_final_norm(name, build, example, final):
-    torch.manual_seed(0)
-    model = build()
-    ex = example() if example else None
-    report = inspect_model(model, example_input=ex)
-    assert report.blocks and {b.placement for b in report.blocks} == {"pre"}, str(report)
-    assert final in [s.final_norm for s in report.stacks], str(report)
-    before = copy.deepcopy(model.state_dict())
-    conv = convert(model, "pre", example_input=ex)
-    assert not conv.changed and {b.status for b in conv.blocks} == {"already"}, str(conv)
-    assert model.state_dict().keys() == before.keys()
-    post = convert(model, "post", example_input=ex)
-    assert not post.changed and all("can only undo its own rewrite" in b.reason for b in post.skipped), str(post)
-    RESULTS.append((name, "already pre", "-", 0.0))
 
 
 def teardown_module(module):

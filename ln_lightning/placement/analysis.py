@@ -172,10 +172,13 @@ def _next_sublayer(blk: _Block, s: int, index: int) -> tuple[ObservedSublayer, i
         except Unrecognised as e:
             sub.reason = str(e)
         return sub, _out(norm_call)
-    if in_norm and out_norm:
-        return ObservedSublayer(index, "peri", in_norm[0].name, branch, None, out_norm=out_norm[-1].name), a
     if in_norm:
-        return ObservedSublayer(index, "pre", in_norm[0].name, branch, None), a
+        # Where the branch ends, for the placements that add or move a norm there (peri, output).
+        exit_module, exit_index, why = _exit(blk, b, add)
+        plan = RewritePlan(in_norm[0].name, [], exit_module, exit_index, why)
+        if out_norm:
+            return ObservedSublayer(index, "peri", in_norm[0].name, branch, plan, out_norm=out_norm[-1].name), a
+        return ObservedSublayer(index, "pre", in_norm[0].name, branch, plan), a
     if out_norm:
         return ObservedSublayer(index, "output", out_norm[-1].name, branch, None, out_norm=out_norm[-1].name), a
     return ObservedSublayer(index, "none", None, branch, None), a

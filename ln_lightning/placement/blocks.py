@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ln_lightning.placement import hooks
-from ln_lightning.placement.checks import CheckFailed, check_hooked_pre, relative_error
+from ln_lightning.placement.checks import CheckFailed, SublayerCheck, check_hooked, relative_error
 from ln_lightning.placement.plan import RewritePlan, Unrecognised
 from ln_lightning.placement.report import BlockInfo, SublayerInfo
 from ln_lightning.placement.scale import BranchScale
@@ -84,9 +84,17 @@ class Handler:
         return (x,), {}
 
     # -- rewriting ------------------------------------------------------------------------------
-    def can_convert_to(self, placement: str) -> str | None:
+    def can_convert_to(self, placement: str, scales=None) -> str | None:
         """None if possible, else the reason."""
         return None
+
+    def to(self, placement: str, scales: ScaleFactory) -> tuple[list[str], list[str]]:
+        """Rewrite to `placement`: (paths added, paths removed)."""
+        if placement == "pre":
+            return self.to_pre(scales), []
+        if placement == "post":
+            return [], self.to_post()
+        raise Unrecognised(f"{type(self.block).__name__} can't be rewritten to {placement}-norm")
 
     def to_pre(self, scales: ScaleFactory) -> list[str]:
         raise NotImplementedError
@@ -134,6 +142,11 @@ class TorchLayerHandler(Handler):
 
     def norms(self):
         return [getattr(self.block, norm) for _, norm, _ in self.parts]
+
+    def can_convert_to(self, placement, scales=None):
+        if placement in ("pre", "post"):
+            return None
+        return f"torch's Transformer layers implement pre and post only (norm_first); {placement}-norm would need their forward rewritten"
 
     def probe_args(self, x):
         if self.decoder:
@@ -232,6 +245,21 @@ class HookedSublayer:
     out_norm: str | None = None  # peri / output: the norm on the branch's output
 
 
+_STATE = "_ln_lightning_sublayers"  # on a rewritten block: each sublayer's placement now
+_ADDED = "_ln_lightning_added"  # on a rewritten block: the child modules the rewrite added
+
+# (placement as written, placement asked for) -> what the rewrite does; anything else is refused.
+_MOVES = {
+    ("post", "pre"): "the norm moves to the branch input",
+    ("post", "peri"): "the norm moves to the branch input, an output norm is added",
+    ("post", "output"): "the norm moves to the branch output",
+    ("pre", "peri"): "an output norm is added",
+    ("pre", "output"): "the input norm moves to the branch output",
+    ("peri", "pre"): "the output norm is removed (passed through)",
+    ("peri", "output"): "the input norm is removed (passed through)",
+}
+
+
 class HookedHandler(Handler):
     def __init__(self, block, path, subs: list[HookedSublayer], recogniser: str):
         super().__init__(block, path)
@@ -246,13 +274,14 @@ class HookedHandler(Handler):
             return None
         return f"{self.path}.{rel}" if self.path else rel
 
-    def _current(self, sub: HookedSublayer) -> str:
-        if sub.written == "post" and hooks.is_deferred(self._get(sub.norm)):
-            return "pre"
+    def _current(self, i: int, sub: HookedSublayer) -> str:
+        state = self.block.__dict__.get(_STATE)
+        if state is not None:
+            return state[i]
         return sub.written
 
     def sublayers(self):
-        return [SublayerInfo(s.name, self._current(s), self._full(s.norm), s.branch) for s in self.subs]
+        return [SublayerInfo(s.name, self._current(i, s), self._full(s.norm), s.branch) for i, s in enumerate(self.subs)]
 
     def norms(self):
         return [self._get(s.norm) for s in self.subs if s.norm is not None]
@@ -269,63 +298,98 @@ class HookedHandler(Handler):
     def _scale_name(self, sub: HookedSublayer) -> str:
         return f"{sub.name.replace('.', '_')}_scale"
 
-    def can_convert_to(self, placement):
-        written = {s.written for s in self.subs}
-        if placement == "pre":
-            if written == {"pre"}:
-                return None
-            if written != {"post"}:
-                shown = "/".join("peri (sandwich)" if w == "peri" else w for w in sorted(written))
-                return f"its sublayers are written as {shown}; only post-norm sublayers can be moved to pre-norm"
-            for s in self.subs:
-                if s.plan is None:
-                    return s.reason
-            return None
-        # post: only what we converted can go back (the user's pre-norm code is not rewritten).
-        if written == {"post"}:
-            return None
-        return (
-            f"the block is written as {'/'.join(sorted(written))}-norm in its own forward; ln_lightning moves norms into "
-            "branches with hooks and can only undo its own rewrite"
-        )
+    def _out_norm_name(self, sub: HookedSublayer) -> str:
+        return f"{sub.name.replace('.', '_')}_out_norm"
 
-    def to_pre(self, scales):
+    def can_convert_to(self, placement, scales: ScaleFactory | None = None):
         for s in self.subs:
-            if scales.kind is not None and s.plan.exit_module is None:
-                raise Unrecognised(f"cannot scale sublayer {s.name}: {s.plan.exit_reason}")
-        added = []
-        for s in self.subs:
-            if self._current(s) == "pre":
+            if s.written == placement:
                 continue
-            norm = self._get(s.norm)
-            for e in s.plan.entries:
-                self._get(e.module).register_forward_pre_hook(
-                    hooks.NormalizeBranchInput(norm, e.arg_positions, e.kwarg_names), with_kwargs=True
+            if placement == "post":
+                return (
+                    f"the block is written as {s.written}-norm in its own forward; ln_lightning moves norms with hooks "
+                    "and can only undo its own rewrite"
                 )
-            scale = scales(norm)
-            if scale is not None:
-                added.append(self._add_scale(self._scale_name(s), scale))
-                self._get(s.plan.exit_module).register_forward_hook(hooks.ScaleBranchOutput(scale, s.plan.exit_index))
-            hooks.defer_norm(norm)
-        return added
+            if (s.written, placement) not in _MOVES:
+                shown = "peri (sandwich)" if s.written == "peri" else s.written
+                if placement == "pre":
+                    return f"its sublayers are written as {shown}; only post-norm (and peri) sublayers can be moved to pre-norm"
+                return f"a sublayer written as {shown}-norm can't be made {placement}-norm"
+            if s.plan is None:
+                return s.reason or f"sublayer {s.name}: no plan for the rewrite"
+            if placement in ("peri", "output") and s.written in ("post", "pre") and s.plan.exit_module is None:
+                return f"sublayer {s.name}: {s.plan.exit_reason}, so there is no module whose output can be normalised"
+            if scales is not None and scales.kind is not None and s.plan.exit_module is None:
+                return f"cannot scale sublayer {s.name}: {s.plan.exit_reason}"
+        return None
 
-    def to_post(self):
+    # -- rewriting ------------------------------------------------------------------------------
+    def _undo(self) -> list[str]:
+        """Back to the block as written: every hook, deferral and module of ours goes."""
         removed = []
-        for s in self.subs:
-            if self._current(s) != "pre" or s.written != "post":
-                continue
-            for e in s.plan.entries:
-                hooks.remove_our_hooks(self._get(e.module), hooks.NormalizeBranchInput)
-            if s.plan.exit_module is not None:
-                hooks.remove_our_hooks(self._get(s.plan.exit_module), hooks.ScaleBranchOutput)
-            r = self._remove_scale(self._scale_name(s))
-            if r:
-                removed.append(r)
-            hooks.undefer_norm(self._get(s.norm))
+        for m in self.block.modules():
+            for kind in (hooks.NormalizeBranchInput, hooks.ScaleBranchOutput, hooks.NormalizeBranchOutput):
+                hooks.remove_our_hooks(m, kind)
+            hooks.undefer_norm(m)
+        for name in self.block.__dict__.pop(_ADDED, []):
+            if name in self.block._modules:
+                del self.block._modules[name]
+                removed.append(self._full(name))
+        self.block.__dict__.pop(_STATE, None)
         return removed
 
+    def _add(self, name: str, module: nn.Module) -> str:
+        if hasattr(self.block, name):
+            raise Unrecognised(f"block already has an attribute {name!r}; cannot add {type(module).__name__} there")
+        self.block.add_module(name, module)
+        self.block.__dict__.setdefault(_ADDED, []).append(name)
+        return self._full(name)
+
+    def to(self, placement: str, scales: ScaleFactory) -> tuple[list[str], list[str]]:
+        """Rewrite to `placement` (from whatever our last rewrite was): (paths added, paths removed)."""
+        removed = self._undo()
+        added: list[str] = []
+        state = []
+        for s in self.subs:
+            target = s.written if placement == "post" else placement
+            state.append(target)
+            if target == s.written:
+                continue
+            p = s.plan
+            if (s.written, target) == ("peri", "pre"):
+                hooks.defer_norm(self._get(s.out_norm))
+                continue
+            if (s.written, target) == ("peri", "output"):
+                hooks.defer_norm(self._get(s.norm))
+                continue
+            norm = self._get(s.norm)
+            if target in ("pre", "peri") and s.written == "post":
+                for e in p.entries:
+                    self._get(e.module).register_forward_pre_hook(hooks.NormalizeBranchInput(norm, e.arg_positions, e.kwarg_names), with_kwargs=True)
+                hooks.defer_norm(norm)
+            if target == "peri":
+                out = fresh_norm_like(norm)
+                added.append(self._add(self._out_norm_name(s), out))
+                self._get(p.exit_module).register_forward_hook(hooks.NormalizeBranchOutput(out, p.exit_index, deferred=False))
+            if target == "output":
+                hooks.defer_norm(norm)
+                self._get(p.exit_module).register_forward_hook(hooks.NormalizeBranchOutput(norm, p.exit_index, deferred=True))
+            scale = scales(norm) if target == "pre" else None
+            if scale is not None:
+                added.append(self._add(self._scale_name(s), scale))
+                self._get(p.exit_module).register_forward_hook(hooks.ScaleBranchOutput(scale, p.exit_index))
+        if state != [s.written for s in self.subs]:
+            self.block.__dict__[_STATE] = state
+        return added, removed
+
+    def to_pre(self, scales):
+        return self.to("pre", scales)[0]
+
+    def to_post(self):
+        return self.to("post", ScaleFactory(None, 1, None))[1]
+
     def check(self, args, kwargs, placement):
-        if placement == "post":
+        if placement == "post" or all(placement == s.written for s in self.subs):
             # Undoing our hooks must give back the user's own forward exactly: no hook of ours may be
             # left, and the output must equal the bypassed (original) function.
             left = [p for p, m in self.block.named_modules() if hooks.our_hooks(m) or hooks.is_deferred(m)]
@@ -335,5 +399,38 @@ class HookedHandler(Handler):
             out = hooks.stream_of(self.block(*args, **kwargs))
             with hooks.bypass():
                 return relative_error(out, hooks.stream_of(self.block(*fresh[0], **fresh[1]))), out
-        scales = [getattr(self.block, self._scale_name(s), None) for s in self.subs]
-        return check_hooked_pre(self.block, [s.plan for s in self.subs], scales, args, kwargs)
+        specs = []
+        for i, s in enumerate(self.subs):
+            target = self._current(i, s)
+            p = s.plan
+            ours = s.written == "post" and target in ("pre", "peri")
+            out_norm = self._get(self._out_norm_name(s)) if (target == "peri" and s.written != "peri") else None
+            if target == "output" and s.written in ("post", "pre"):
+                out_norm = self._get(s.norm)
+            specs.append(SublayerCheck(
+                entries=p.entries if ours else [], in_norm=self._get(s.norm) if ours else None,
+                exit_module=p.exit_module if p is not None else None, exit_index=p.exit_index if p is not None else None,
+                out_norm=out_norm, scale=getattr(self.block, self._scale_name(s), None),
+                through=self._get(s.norm) if s.written == "post" else None,
+            ))
+        return check_hooked(self.block, specs, args, kwargs)
+
+
+def fresh_norm_like(norm: nn.Module) -> nn.Module:
+    """A new norm of `norm`'s class, shape and eps, with the identity gain: weight 1 (0 where the class
+    applies `1 + w`, Gemma's), bias 0. Peri-LN (Kim et al. 2025) starts its output norms there: each
+    branch output enters the stream at unit root-mean-square per token, whatever the branch's scale."""
+    from ln_lightning.norm import kinds
+
+    out = copy.deepcopy(norm)
+    hooks.undefer_norm(out)
+    out._forward_hooks.clear()
+    out._forward_pre_hooks.clear()
+    spec = kinds.recognize_norm(out)
+    with torch.no_grad():
+        w, b = getattr(out, "weight", None), getattr(out, "bias", None)
+        if isinstance(w, torch.Tensor):
+            w.fill_(0.0 if spec is not None and spec.unit_offset else 1.0)
+        if isinstance(b, torch.Tensor):
+            b.zero_()
+    return out

@@ -16,6 +16,8 @@ A rewrite that computes anything else fails one of these, whatever the hooks wer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -45,7 +47,7 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 class _RawExit:
-    """Prepended forward hook: the exit's output before our scale hook touches it."""
+    """Prepended forward hook: the exit's output before our own exit hooks touch it."""
 
     def __init__(self, index):
         self.index, self.values = index, []
@@ -54,14 +56,28 @@ class _RawExit:
         self.values.append(output if self.index is None else output[self.index])
 
 
-def check_hooked_pre(block: nn.Module, plans: list, scales: list, args: tuple, kwargs: dict) -> tuple[float, torch.Tensor]:
+@dataclass
+class SublayerCheck:
+    """What one rewritten sublayer must show in the recorded forward."""
+
+    entries: list  # EntryPlans that must receive in_norm(x) (our pre-norm rewrite); [] otherwise
+    in_norm: nn.Module | None  # with entries: nothing else may read the raw stream
+    exit_module: str | None  # the branch's exit, whose raw output b gives the add: x + c * out_norm(b)
+    exit_index: int | None
+    out_norm: nn.Module | None  # applied to the raw exit output (peri's added norm, output's moved norm)
+    scale: nn.Module | None
+    through: nn.Module | None  # a post-norm sublayer's norm: its call site must pass x + branch through
+
+
+def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwargs: dict) -> tuple[float, torch.Tensor]:
     """(largest relative error, block output); raises CheckFailed on a structural mismatch."""
     raw_exits, handles = [], []
-    for p in plans:
-        r = _RawExit(p.exit_index)
+    for sc in subs:
+        r = _RawExit(sc.exit_index)
         raw_exits.append(r)
-        if p.exit_module is not None:
-            handles.append(block.get_submodule(p.exit_module).register_forward_hook(r, prepend=True))
+        if sc.exit_module is not None:
+            # nn.Module's own method: on a deferred norm (peri's output norm) it sees the call site.
+            handles.append(nn.Module.register_forward_hook(block.get_submodule(sc.exit_module), r, prepend=True))
     try:
         with record(block) as rec:
             out = block(*args, **kwargs)
@@ -72,63 +88,67 @@ def check_hooked_pre(block: nn.Module, plans: list, scales: list, args: tuple, k
     s, out_v = stream_input(call), stream_output(call)
     if s is None or out_v is None:
         raise CheckFailed("the rewritten block has no stream input or output")
-    inside = lambda e: call.index in e.frames  # noqa: E731
+    inside = lambda e: call.index < e.index <= call.end  # noqa: E731
     feeds_output = {v for _, v in call.outputs}
     for v in list(feeds_output):
         feeds_output |= rec.ancestors(v, within=call)
+    # Every deferred norm's call site passes its input through, whatever placement it serves.
+    for m in block.modules():
+        if hooks.is_deferred(m):
+            for c in rec.module_calls(m):
+                if inside(c) and c.input_value(("arg", 0)) != next((v for w, v in c.outputs if w == ()), None):
+                    raise CheckFailed(f"{rec.paths[id(m)]} still normalises at its call site")
     err = 0.0
     passed_through = -1  # the previous sublayer's norm call site, which returned this stream
-    for i, (plan, scale, raw) in enumerate(zip(plans, scales, raw_exits)):
+    for i, (sc, raw) in enumerate(zip(subs, raw_exits)):
         x = rec.values[s].tensor
-        norm = block.get_submodule(plan.norm)
-        ref = hooks.reference_norm(norm, x)
-        entry_calls = 0
-        for ep in plan.entries:
-            calls = [e for e in rec.module_calls(block.get_submodule(ep.module)) if inside(e)]
-            if not calls:
-                raise CheckFailed(f"sublayer {i}: branch entry {ep.module} did not run")
-            for c in calls:
-                entry_calls += 1
-                for where in [("arg", p) for p in ep.arg_positions] + [("kwarg", k) for k in ep.kwarg_names]:
-                    v = c.input_value(where)
-                    if v is None:
-                        continue  # an optional argument the forward did not pass
-                    err = max(err, relative_error(rec.values[v].tensor, ref))
+        if sc.entries:
+            ref = hooks.reference_norm(sc.in_norm, x)
+            for ep in sc.entries:
+                calls = [e for e in rec.module_calls(block.get_submodule(ep.module)) if inside(e)]
+                if not calls:
+                    raise CheckFailed(f"sublayer {i}: branch entry {ep.module} did not run")
+                for c in calls:
+                    for where in [("arg", p) for p in ep.arg_positions] + [("kwarg", k) for k in ep.kwarg_names]:
+                        v = c.input_value(where)
+                        if v is not None:  # None: an optional argument the forward did not pass
+                            err = max(err, relative_error(rec.values[v].tensor, ref))
         readers = [rec.events[r] for r in rec.values[s].readers if inside(rec.events[r])]
         adds = [e for e in readers if e.is_add and not e.ours]
         if len(adds) != 1:
             raise CheckFailed(f"sublayer {i}: expected one residual add of the stream, observed {len(adds)}")
         add = adds[0]
-        for r in readers:
-            if r.ours or r is add or r.index == passed_through or (r.kind == "module" and (add.index in range(r.index, r.end + 1))):
-                continue
-            if not any(v in feeds_output for _, v in r.outputs):
-                continue  # control flow or logging on the stream: not part of the branch
-            if r.kind == "module" and not any(rec.events[x].kind == "function" and r.index in rec.events[x].frames for x in rec.values[s].readers):
-                continue  # carries the stream along without reading it
-            raise CheckFailed(
-                f"sublayer {i}: `{r.name}` reads the raw stream after the rewrite, so the branch does not see "
-                f"{plan.norm}(x) everywhere (entries: {', '.join(e.module for e in plan.entries)})"
-            )
+        if sc.entries:
+            for r in readers:
+                if r.ours or r is add or r.index == passed_through or (r.kind == "module" and r.index <= add.index <= r.end):
+                    continue
+                if not any(v in feeds_output for _, v in r.outputs):
+                    continue  # control flow or logging on the stream: not part of the branch
+                if r.kind == "module" and not any(rec.events[x].kind == "function" and r.index < x <= r.end for x in rec.values[s].readers):
+                    continue  # carries the stream along without reading it
+                raise CheckFailed(
+                    f"sublayer {i}: `{r.name}` reads the raw stream after the rewrite, so the branch does not see "
+                    f"the norm of x everywhere (entries: {', '.join(e.module for e in sc.entries)})"
+                )
         a = next(v for w, v in add.outputs if w == ())
-        if plan.exit_module is not None:
+        if sc.exit_module is not None:
             if not raw.values:
-                raise CheckFailed(f"sublayer {i}: branch exit {plan.exit_module} did not run")
+                raise CheckFailed(f"sublayer {i}: branch exit {sc.exit_module} did not run")
             b = raw.values[-1]
             if not isinstance(b, torch.Tensor):
-                raise CheckFailed(f"sublayer {i}: the branch exit {plan.exit_module} returns a {type(b).__name__}, not a tensor (declare exit_index)")
-            c = 1.0 if scale is None else scale.value().detach().double()
+                raise CheckFailed(f"sublayer {i}: the branch exit {sc.exit_module} returns a {type(b).__name__}, not a tensor (declare exit_index)")
+            if sc.out_norm is not None:
+                b = hooks.reference_norm(sc.out_norm, b)
+            c = 1.0 if sc.scale is None else sc.scale.value().detach().double()
             err = max(err, relative_error(rec.values[a].tensor, x.double() + c * b.double()))
-        elif scale is not None:
-            raise CheckFailed(f"sublayer {i}: a branch scale without an exit module")
-        norm_calls = [e for e in rec.module_calls(norm) if inside(e)]
-        through = [e for e in norm_calls if e.input_value(("arg", 0)) == a]
-        if len(through) != 1:
-            raise CheckFailed(f"sublayer {i}: {plan.norm} is no longer applied to x + F(N(x)) once (observed {len(through)})")
-        nxt = next((v for w, v in through[0].outputs if w == ()), None)
-        if nxt != a:
-            raise CheckFailed(f"sublayer {i}: {plan.norm} still normalises at its call site")
-        s, passed_through = a, through[0].index
+        elif sc.scale is not None or sc.out_norm is not None:
+            raise CheckFailed(f"sublayer {i}: a branch scale or output norm without an exit module")
+        if sc.through is not None:
+            through = [e for e in rec.module_calls(sc.through) if inside(e) and e.input_value(("arg", 0)) == a]
+            if len(through) != 1:
+                raise CheckFailed(f"sublayer {i}: the norm is no longer applied to x + F(x) once (observed {len(through)})")
+            passed_through = through[0].index
+        s = a
     if s != out_v:
         err = max(err, relative_error(rec.values[out_v].tensor, rec.values[s].tensor))
     return err, hooks.stream_of(out)

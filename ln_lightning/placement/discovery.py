@@ -11,6 +11,7 @@ replace lives in `families/`, one file per family.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +107,10 @@ def observe_model(model: nn.Module, example: Example) -> ModelRun:
 
     def capture(mod, args, kwargs):
         if id(mod) not in inputs:
-            inputs[id(mod)] = (tuple(args), dict(kwargs))
+            # The arguments as they are at the call: a KV cache among them fills up as the forward goes
+            # on, so it is copied now (tensors passed directly are shared, not copied).
+            memo = {id(v): v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
+            inputs[id(mod)] = copy.deepcopy((tuple(args), dict(kwargs)), memo)
 
     handles = [m.register_forward_pre_hook(capture, with_kwargs=True, prepend=True) for m in target.modules()]
     try:

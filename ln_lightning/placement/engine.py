@@ -22,7 +22,7 @@ from ln_lightning.placement.checks import CheckFailed, relative_error, tolerance
 from ln_lightning.placement.discovery import CONTAINERS, Example, Found, Stack, discover, eval_no_grad, run_model, synthetic_probe
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.norms import norm_types
-from ln_lightning.placement.options import _validate
+from ln_lightning.placement.options import _validate, mix_split
 from ln_lightning.placement.plan import Unrecognised
 from ln_lightning.placement.report import BlockChange, ConversionReport, NormInfo, PlacementReport, StackInfo
 from ln_lightning.placement.transaction import Snapshot
@@ -165,6 +165,7 @@ def convert(
     strict: bool = False,
     example_input: Any = None,
     layerscale_init: float | None = None,
+    mix_post_blocks: int | None = None,
 ) -> ConversionReport:
     """Rewrite the norm placement of every recognised residual block, in place.
 
@@ -175,7 +176,11 @@ def convert(
     Args:
         model: the model (any nn.Module, a LightningModule too). Changed in place; never moved
             between devices or dtypes. Existing parameter names are kept.
-        placement: "pre" or "post".
+        placement: "pre" (`x + F(N(x))`), "post" (`N(x + F(x))`), "peri" (`x + N_out(F(N(x)))`:
+            Peri-LN, Gemma's sandwich; the added output norms are fresh norms of the input norm's class,
+            shape and eps with the identity gain), "output" (`x + N(F(x))`, OLMo 2: the sublayer's own
+            norm moves to the branch output) or "mix" (Mix-LN: the first `mix_post_blocks` blocks of
+            each stack post-norm, by default a quarter, the rest pre-norm).
         final_norm: for "pre": give each converted stack that lacks one a final norm where the
             stack's output leaves it, run once per forward. It is a copy of the norm that produced
             the stack's output before (same class, eps and affine parameters, so the head keeps
@@ -204,7 +209,7 @@ def convert(
         (['converted', 'converted'], ['blocks_final_norm'])
     """
     _check_model(model, "convert")
-    _validate(placement, final_norm, branch_scale, strict, layerscale_init)
+    _validate(placement, final_norm, branch_scale, strict, layerscale_init, mix_post_blocks)
     types = norm_types()
     if not any(isinstance(m, types) for m in model.modules()):
         raise PlacementError(
@@ -221,16 +226,18 @@ def convert(
     snapshot = Snapshot(model)
     try:
         with _one_thread():
-            return _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init)
+            return _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks)
     except BaseException:
         snapshot.restore()  # whatever failed, and wherever: the model is exactly as it was
         raise
 
 
-def _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init) -> ConversionReport:
+def _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks=None) -> ConversionReport:
     options = {"final_norm": final_norm, "branch_scale": branch_scale, "strict": strict}
     if layerscale_init is not None:
         options["layerscale_init"] = layerscale_init
+    if mix_post_blocks is not None:
+        options["mix_post_blocks"] = mix_post_blocks
     report = ConversionReport(model=type(model).__name__, placement=placement, options=options)
     example = example_of(model, example_input)
     found = _discover(model, example)
@@ -254,7 +261,7 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     refused = {**_shared_norms(handlers), **fn.outside_uses(model, found)}
     for stack in found.stacks:
         fn.detect(model, stack, found)
-    if placement == "post":
+    if placement != "pre":
         for stack in found.stacks:  # first, so the blocks are checked without our final norm after them
             removed = fn.remove(model, stack)
             if removed:
@@ -262,17 +269,18 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
                 stack.final_norm = None
     for stack in found.stacks:
         scales = ScaleFactory(branch_scale, len(stack.handlers), layerscale_init)
-        for h in stack.handlers:
+        targets = mix_split(placement, len(stack.handlers), mix_post_blocks)
+        for h, target in zip(stack.handlers, targets):
             probe, observed = None, None
             if found.observation is not None:
                 probe = found.observation.inputs.get(id(h.block))
                 observed = found.observation.block_output(h.block)
-            change = _convert_block(h, placement, scales, refused.get(h.path), probe, observed, report)
+            change = _convert_block(h, target, scales, refused.get(h.path), probe, observed, report)
             report.blocks.append(change)
             if change.status == "skipped" and strict:
                 raise PlacementError(f"strict conversion: block {h.path} ({change.kind}) skipped: {change.reason}")
-        if placement == "pre":
-            _final_norm_step(model, stack, found, final_norm, strict, report)
+        if targets and targets[-1] != "post":
+            _final_norm_step(model, stack, found, final_norm, strict, report, targets)
 
     if found.observation is not None and report.changed:
         with eval_no_grad(model), _counting_final_norms(model, found, report) as counts:
@@ -304,13 +312,13 @@ def _record(model, placement, final_norm, branch_scale, layerscale_init, report:
     checkpoints can tell a hand-converted model from a fresh one. The marker buffer is LNPlacement's."""
     from ln_lightning import rewrite_record
 
-    if placement == "pre":
-        config = {"placement": "pre", "final_norm": final_norm, "branch_scale": branch_scale}
+    if placement != "post":
+        config = {"placement": placement, "final_norm": final_norm, "branch_scale": branch_scale}
         if layerscale_init is not None:
             config["layerscale_init"] = layerscale_init
         added = (rewrite_record.recorded_added(model) or []) + [a for a in report.added if a not in (rewrite_record.recorded_added(model) or [])]
         rewrite_record.record(model, config, added=added, owners=())
-    elif not any(b.after == "pre" for b in report.blocks):
+    elif all(b.after == "post" for b in report.blocks):
         for attr in (rewrite_record.CONFIG_ATTR, rewrite_record.ADDED_ATTR):
             model.__dict__.pop(attr, None)  # back to the model as it was written
 
@@ -320,13 +328,13 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
     before = info.placement
     change = BlockChange(h.path, info.kind, "already", before, before)
     if before == placement:
-        if scales.kind is not None:
+        if scales.kind is not None and placement == "pre":
             change.reason = "already pre-norm: branch_scale not applied (convert to 'post' first to re-convert with a scale)"
         return change
     if refused_reason:
         change.status, change.reason = "skipped", refused_reason
         return change
-    reason = h.can_convert_to(placement)
+    reason = h.can_convert_to(placement, scales)
     if reason:
         change.status, change.reason = "skipped", reason
         return change
@@ -345,7 +353,7 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
             return change
     block_snapshot = Snapshot(h.block)
     try:
-        added = h.to_pre(scales) if placement == "pre" else h.to_post()
+        added, removed = h.to(placement, scales)
     except Unrecognised as e:
         block_snapshot.restore()
         change.status, change.reason = "skipped", str(e)
@@ -360,20 +368,21 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
         block_snapshot.restore()  # a block we can't verify is left exactly as it was
         change.status, change.reason = "skipped", f"probe check failed, block left unchanged: {e}"
         return change
-    (report.added if placement == "pre" else report.removed).extend(added)
+    report.added.extend(added)
+    report.removed.extend(removed)
     change.status, change.after, change.check_error = "converted", placement, err
     change.output_change = relative_error(_first_tensor(y_after), y_before)
     return change
 
 
-def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict: bool, report: ConversionReport) -> None:
+def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict: bool, report: ConversionReport, targets: list[str]) -> None:
     converted = any(b.status == "converted" for b in report.blocks if b.path in {h.path for h in stack.handlers})
-    pre = all(h.info().placement == "pre" for h in stack.handlers)
+    done = all(h.info().placement == t for h, t in zip(stack.handlers, targets))
     if not final_norm:
         return
-    if not pre:
+    if not done:
         if converted:
-            report.notes.append(f"stack {stack.path}: not every block is pre-norm now (see the skipped blocks), so no final norm was added")
+            report.notes.append(f"stack {stack.path}: not every block has the requested placement now (see the skipped blocks), so no final norm was added")
         return
     if stack.final_norm is not None:
         return

@@ -248,6 +248,29 @@ class NormalizeBranchInput:
         return tuple(args), kwargs
 
 
+class NormalizeBranchOutput:
+    """Forward hook on a branch exit: output (or `output[index]`) -> a norm of it.
+
+    `deferred=True`: the branch's own norm, deferred at its call site, normalises here (`"output"`
+    placement, OLMo 2's `x + N(F(x))`); `False`: an output norm the rewrite added (`"peri"`)."""
+
+    def __init__(self, norm: nn.Module, index: int | None, deferred: bool):
+        self.norm = norm
+        self.index = index
+        self.deferred = deferred
+
+    def __call__(self, module, args, output):
+        if _bypassed():
+            return None
+        value = output if self.index is None else output[self.index]
+        value = self.norm.normalize(value) if self.deferred else self.norm(value)
+        if self.index is None:
+            return value
+        out = list(output)
+        out[self.index] = value
+        return type(output)(out) if isinstance(output, tuple) else out
+
+
 class ScaleBranchOutput:
     """Forward hook on a branch exit: output (or `output[index]`) times `scale` (a module)."""
 
@@ -394,7 +417,7 @@ class ApplyFinalNormAtConsumer:
         return args, kwargs
 
 
-OUR_HOOK_TYPES = (NormalizeBranchInput, ScaleBranchOutput, ApplyFinalNorm, TapStream, ApplyFinalNormAtExit, ApplyFinalNormAtConsumer)
+OUR_HOOK_TYPES = (NormalizeBranchInput, NormalizeBranchOutput, ScaleBranchOutput, ApplyFinalNorm, TapStream, ApplyFinalNormAtExit, ApplyFinalNormAtConsumer)
 
 
 def remove_our_hooks(module: nn.Module, kind: type) -> int:

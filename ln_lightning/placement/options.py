@@ -6,13 +6,22 @@ import math
 
 from ln_lightning.placement.errors import PlacementError
 
-PLACEMENTS = ("pre", "post")
+PLACEMENTS = ("pre", "post", "peri", "output", "mix")
+_PLACEMENT_HELP = (
+    "'pre' (x + F(N(x))), 'post' (N(x + F(x))), 'peri' (x + N_out(F(N(x))), Peri-LN / Gemma's sandwich), "
+    "'output' (x + N(F(x)), OLMo 2) and 'mix' (Mix-LN: the first mix_post_blocks blocks of each stack post, the rest pre)"
+)
 BRANCH_SCALES = "None, a positive float c, 'depth' (c = 1/sqrt(2L)) or 'layerscale'"
 
 
-def _validate(placement, final_norm, branch_scale, strict, layerscale_init) -> None:
+def _validate(placement, final_norm, branch_scale, strict, layerscale_init, mix_post_blocks=None) -> None:
     if placement not in PLACEMENTS:
-        raise PlacementError(f"unknown placement {placement!r}; valid placements are 'pre' (x + F(LN(x))) and 'post' (LN(x + F(x)))")
+        raise PlacementError(f"unknown placement {placement!r}; valid placements are {_PLACEMENT_HELP}")
+    if mix_post_blocks is not None:
+        if placement != "mix":
+            raise PlacementError(f"mix_post_blocks is only used with placement='mix', got placement={placement!r}")
+        if isinstance(mix_post_blocks, bool) or not isinstance(mix_post_blocks, int) or mix_post_blocks < 0:
+            raise PlacementError(f"mix_post_blocks must be a non-negative int (how many leading blocks stay post-norm), got {mix_post_blocks!r}")
     if not isinstance(final_norm, bool):
         raise PlacementError(f"final_norm must be True or False, got {final_norm!r}")
     if not isinstance(strict, bool):
@@ -23,8 +32,11 @@ def _validate(placement, final_norm, branch_scale, strict, layerscale_init) -> N
                 raise PlacementError(f"unknown branch_scale {branch_scale!r}; valid values are {BRANCH_SCALES}")
         elif isinstance(branch_scale, bool) or not isinstance(branch_scale, (int, float)) or not math.isfinite(branch_scale) or branch_scale <= 0:
             raise PlacementError(f"branch_scale={branch_scale!r} is not valid; valid values are {BRANCH_SCALES}")
-        if placement == "post":
-            raise PlacementError("branch_scale applies to pre-norm branches (x + c*F(LN(x))); use branch_scale=None with placement='post'")
+        if placement not in ("pre", "mix"):
+            raise PlacementError(
+                f"branch_scale applies to pre-norm branches (x + c*F(LN(x))), with placement 'pre' or 'mix'; "
+                f"use branch_scale=None with placement={placement!r}"
+            )
     if layerscale_init is not None:
         if branch_scale != "layerscale":
             raise PlacementError("layerscale_init is only used with branch_scale='layerscale'")
@@ -32,6 +44,15 @@ def _validate(placement, final_norm, branch_scale, strict, layerscale_init) -> N
             raise PlacementError(f"layerscale_init must be a positive finite float, got layerscale_init={layerscale_init!r}")
 
 
-def validate_options(placement="pre", *, final_norm=True, branch_scale=None, strict=False, layerscale_init=None) -> None:
+def validate_options(placement="pre", *, final_norm=True, branch_scale=None, strict=False, layerscale_init=None, mix_post_blocks=None) -> None:
     """Raise PlacementError for options `convert` would reject (used by LNPlacement at construction)."""
-    _validate(placement, final_norm, branch_scale, strict, layerscale_init)
+    _validate(placement, final_norm, branch_scale, strict, layerscale_init, mix_post_blocks)
+
+
+def mix_split(placement: str, depth: int, mix_post_blocks: int | None) -> list[str]:
+    """The placement each block of a stack of `depth` blocks gets. 'mix': Mix-LN (Li et al. 2025) keeps
+    the first quarter post-norm (by default) for the deep layers' gradients, and the rest pre-norm."""
+    if placement != "mix":
+        return [placement] * depth
+    k = depth // 4 if mix_post_blocks is None else min(mix_post_blocks, depth)
+    return ["post"] * k + ["pre"] * (depth - k)
