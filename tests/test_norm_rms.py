@@ -155,7 +155,7 @@ def test_fused_add_module_and_functional_plain():
     want = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight.double())
     assert torch.equal(h, x + r)
     torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
-    y0, same = norm(x)
+    _, same = norm(x)
     assert same is x
     torch.testing.assert_close(rms_norm(x, (16,), norm.weight, 1e-6), F.rms_norm(x, (16,), norm.weight, 1e-6))
     assert "weight_offset=1.0" in repr(norm) and "cast_order='llama'" in repr(norm)

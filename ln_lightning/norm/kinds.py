@@ -28,7 +28,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._rms_common import CAST_ORDERS, output_dtype, round_dtype
