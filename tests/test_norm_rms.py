@@ -276,3 +276,19 @@ def test_swap_nn_rmsnorm_family_report_revert_and_pickle():
     report.revert()
     assert [type(m) for m in model] == [nn.RMSNorm, _RMSKeepsInit, _RMSUpcasts, _RMSClamps, nn.LayerNorm]
     assert torch.equal(model(x), before)
+
+
+def test_swap_reports_modules_named_like_norms_that_it_does_not_recognise():
+    class OddRMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x * self.weight
+
+    model = nn.Sequential(OddRMSNorm(), nn.RMSNorm(8))
+    report = swap_layernorms(model)
+    assert report.swapped == ["1"]
+    assert [s.path for s in report.skipped] == ["0"] and "matches neither LayerNorm nor RMSNorm" in report.skipped[0].reason
