@@ -57,10 +57,11 @@ def torch_formula(h: torch.Tensor, w: Optional[torch.Tensor], offset: float, cas
     return (n * (offset + w.float())).to(in_dtype)  # Gemma's order (= nn.RMSNorm's with offset 0)
 
 
-def errors(case: RMSCase, backend: Optional[str]) -> dict[str, tuple[float, float, float]]:
-    """{quantity: (our error, torch's error, max |reference|)} against a float64 reference."""
+def errors(case: RMSCase, backend: Optional[str], device=None) -> dict[str, tuple[float, float, float]]:
+    """{quantity: (our error, torch's error, max |reference|)} against a float64 reference
+    (inputs drawn on CPU, then moved to ``device``: the same values on every device)."""
     c = case.base
-    x, r, w, _b, gy, gh = c.tensors()
+    x, r, w, _b, gy, gh = (None if t is None else t.to(device) for t in c.tensors())
     if c.affine == "none":
         w = None
     offset = 1.0 if (case.unit_offset and w is not None) else 0.0
@@ -111,17 +112,18 @@ def assert_within_torch_error(case: RMSCase, backend: Optional[str]) -> dict[str
     return found
 
 
-def assert_rows_independent(backend: Optional[str], dtype=torch.float32, hidden: int = 37, rows: int = 6) -> None:
+def assert_rows_independent(backend: Optional[str], dtype=torch.float32, hidden: int = 37, rows: int = 6,
+                            device=None) -> None:
     """Row 0's output and input gradients must not change when the other rows do."""
     g = torch.Generator().manual_seed(0)
-    base = [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(4)]  # x, r, gy, gh
-    w = torch.randn(hidden, generator=g).to(dtype)
+    base = [torch.randn(rows, hidden, generator=g).to(device, dtype) for _ in range(4)]  # x, r, gy, gh
+    w = torch.randn(hidden, generator=g).to(device, dtype)
     results = []
     for variant in range(2):
         x, r, gy, gh = [t.clone() for t in base]
         if variant:
             for t in (x, r, gy, gh):
-                t[1:] = 100 * torch.randn(rows - 1, hidden, generator=g).to(dtype) + 50
+                t[1:] = 100 * torch.randn(rows - 1, hidden, generator=g).to(device, dtype) + 50
         x.requires_grad_()
         r.requires_grad_()
         y, h = fused_add_rms_norm(x, r, w, EPS, backend=backend)

@@ -155,7 +155,7 @@ def test_fused_add_module_and_functional_plain():
     want = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight.double())
     assert torch.equal(h, x + r)
     torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
-    y0, same = norm(x)
+    _, same = norm(x)
     assert same is x
     torch.testing.assert_close(rms_norm(x, (16,), norm.weight, 1e-6), F.rms_norm(x, (16,), norm.weight, 1e-6))
     assert "weight_offset=1.0" in repr(norm) and "cast_order='llama'" in repr(norm)
@@ -276,3 +276,19 @@ def test_swap_nn_rmsnorm_family_report_revert_and_pickle():
     report.revert()
     assert [type(m) for m in model] == [nn.RMSNorm, _RMSKeepsInit, _RMSUpcasts, _RMSClamps, nn.LayerNorm]
     assert torch.equal(model(x), before)
+
+
+def test_swap_reports_modules_named_like_norms_that_it_does_not_recognise():
+    class OddRMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x * self.weight
+
+    model = nn.Sequential(OddRMSNorm(), nn.RMSNorm(8))
+    report = swap_layernorms(model)
+    assert report.swapped == ["1"]
+    assert [s.path for s in report.skipped] == ["0"] and "matches neither LayerNorm nor RMSNorm" in report.skipped[0].reason

@@ -116,8 +116,8 @@ def test_bf16_fused_norms_keep_each_class_cast_order(name, path, monkeypatch):
     monkeypatch.setattr(functional_rms, "EAGER_COMPOSITE_BELOW", 0 if path == "kernel" else 1 << 60)
     model = _build(name)
     g = torch.Generator().manual_seed(2)
-    for path in _norms(model)[:3]:
-        original = model.get_submodule(path).to(torch.bfloat16)
+    for norm_path in _norms(model)[:3]:
+        original = model.get_submodule(norm_path).to(torch.bfloat16)
         fused = copy.deepcopy(original)
         swap_layernorms(fused)
         x = (torch.randn(64, original.weight.shape[0], generator=g) * 3).bfloat16()
@@ -126,6 +126,6 @@ def test_bf16_fused_norms_keep_each_class_cast_order(name, path, monkeypatch):
         assert got.dtype == want.dtype
         equal = (got == want).float().mean().item()
         # rstd may differ by a float32 ulp (another summation order), rarely moving a bf16 rounding
-        assert equal >= 0.98, f"{path}: only {equal:.1%} of elements equal the original's"
+        assert equal >= 0.98, f"{norm_path}: only {equal:.1%} of elements equal the original's"
         ulp = (want.float().abs() * 2**-7).clamp_min(2**-126)
         assert ((got.float() - want.float()).abs() <= ulp).all()

@@ -32,11 +32,14 @@ def _fused_add_classes() -> tuple[type, ...]:
 
 
 def _recognize(module: nn.Module):
+    """(NormSpec or None, why not: a sentence for modules named like a norm that are not recognised)."""
     try:
-        from ln_lightning.norm import recognize_norm  # noqa: PLC0415 (optional: the norm package may be absent)
+        from ln_lightning.norm import explain_norm, recognize_norm  # noqa: PLC0415 (optional package)
     except ImportError:
-        return None
-    return recognize_norm(module)
+        return None, None
+    spec = recognize_norm(module)
+    named_like_norm = type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+    return spec, (explain_norm(module) if spec is None and named_like_norm else None)
 
 
 class LayerNormInputMonitor(MonitorBase):
@@ -131,6 +134,7 @@ class LayerNormInputMonitor(MonitorBase):
         declared = self.norm_classes  # nn.LayerNorm and the classes given: monitored by class
         seen: set[int] = set()
         targets = []
+        unrecognised: list[str] = []
         for name, module in pl_module.named_modules():
             if id(module) in seen:
                 continue
@@ -145,13 +149,20 @@ class LayerNormInputMonitor(MonitorBase):
                     )
                 ndim = 1 if isinstance(shape, int) else len(tuple(shape))
             else:
-                spec = _recognize(module)  # by what it computes: LayerNorm-like or RMSNorm-like
+                spec, why_not = _recognize(module)  # by what it computes: LayerNorm- or RMSNorm-like
                 if spec is None:
+                    if why_not:  # named like a norm but not monitored: say so, never silently
+                        unrecognised.append(f"{name} ({why_not})")
                     continue
                 kind, ndim, eps = spec.kind, spec.ndim, spec.eps
             seen.add(id(module))
             eps = None if eps is None else float(eps)
             targets.append((normalize_name(name, pl_module), module, ndim, eps, isinstance(module, fused_add), kind))
+        if unrecognised:
+            rank_zero_warn(
+                "LayerNormInputMonitor: not monitoring these modules named like norms, which were not recognised "
+                f"as LayerNorm or RMSNorm: {'; '.join(unrecognised)}. Pass LayerNorm-like classes as norm_classes."
+            )
         if not targets:
             return
         self.norm_paths = [t[0] for t in targets]

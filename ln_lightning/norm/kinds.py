@@ -28,7 +28,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._rms_common import CAST_ORDERS, output_dtype, round_dtype
@@ -165,11 +164,6 @@ def norm_reference(spec: NormSpec, x: Tensor, weight: Optional[Tensor] = None, b
 
 
 # --------------------------------------------------------------------------- recognition
-
-def _is_fused_add(module: nn.Module) -> bool:
-    # ln_lightning's fused-add modules take (x, residual); their class says what they are.
-    return bool(getattr(type(module), "ln_lightning_fused_add", False))
-
 
 def _class_spec(module: nn.Module) -> Optional[NormSpec]:
     """nn.LayerNorm / nn.RMSNorm whose forward is the library's own (or ln_lightning's fused one)."""

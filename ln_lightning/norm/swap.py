@@ -282,6 +282,8 @@ def swap_layernorms(model: nn.Module, *, backend: Optional[str] = None) -> SwapR
                 continue  # a swapped foreign RMSNorm met again (shared module): swapped once
             foreign = _foreign_rms_spec(module)
             if foreign is None:
+                if type(module).__name__.endswith(("RMSNorm", "LayerNorm")):  # named like one: say why not
+                    report.skipped.append(SkippedNorm(path, type(module).__qualname__, explain_norm(module)))
                 continue
         elif _is_nn_rms(module) and _deferred_base(type(module)) is None and not isinstance(module, _FUSED):
             foreign = _foreign_rms_spec(module)  # an nn.RMSNorm subclass with its own forward
