@@ -97,9 +97,7 @@ def _target_class(cls: type, foreign_rms: bool = False) -> Optional[type]:
         fused = {nn.LayerNorm: FusedLayerNorm, getattr(nn, "RMSNorm", None): FusedRMSNorm}.get(base)
         if fused is None:
             return None
-        from ln_lightning.placement import hooks  # the placement engine made this class
-
-        return hooks._deferred_class(fused)
+        return cls.ln_lightning_rewrap(fused)  # the class placement made knows how to rebuild itself
     if foreign_rms:
         return _fused_class_for(cls, FusedRMSNormForward, None)
     if issubclass(cls, nn.LayerNorm) and (cls is nn.LayerNorm or cls.forward is nn.LayerNorm.forward):
@@ -315,10 +313,8 @@ def unswap_layernorms(model: nn.Module) -> SwapReport:
     for path, module in model.named_modules():
         if isinstance(module, (FusedLayerNorm, FusedRMSNorm)) and type(module) not in (FusedAddLayerNorm, FusedAddRMSNorm):
             if _deferred_base(type(module)) is not None:
-                from ln_lightning.placement import hooks
-
                 plain = nn.LayerNorm if isinstance(module, FusedLayerNorm) else nn.RMSNorm
-                module.__class__ = hooks._deferred_class(plain)
+                module.__class__ = type(module).ln_lightning_rewrap(plain)
             else:
                 module.__class__ = _original_class(module)
         elif isinstance(module, FusedRMSNormForward) and hasattr(type(module), "_ln_original_class"):

@@ -67,6 +67,12 @@ class DeferredNorm:
 
     ln_lightning_deferred = True
 
+    @classmethod
+    def ln_lightning_rewrap(cls, base: type) -> type:
+        """The deferred class for another norm class (the norm swap turns Deferred<LayerNorm> into
+        Deferred<FusedLayerNorm> through this, without knowing how placement builds its classes)."""
+        return _deferred_class(base)
+
     def forward(self, x, *args, **kwargs):  # the call site: pass-through
         if _bypassed():
             return super().forward(x, *args, **kwargs)

@@ -1,0 +1,77 @@
+"""The package's layers point one way: no import cycles, and `ln_lightning.norm` is a leaf."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "ln_lightning"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT.parent).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, module_level_only: bool, mods: dict | None = None) -> set[str]:
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    out = set()
+    for n in nodes:
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names if a.name.startswith("ln_lightning")}
+        elif isinstance(n, ast.ImportFrom):
+            if n.level:
+                base = name.split(".")
+                base = base[: len(base) - n.level + (1 if is_pkg else 0)]
+                target = ".".join(base + ([n.module] if n.module else []))
+            else:
+                target = n.module or ""
+            if target.startswith("ln_lightning"):
+                for a in n.names:
+                    # `from pkg import submodule` depends on the submodule; `from pkg import name`, on pkg.
+                    sub = f"{target}.{a.name}"
+                    out.add(sub if mods is not None and sub in mods else target)
+    return out
+
+
+def test_no_import_cycles_at_module_level():
+    mods = _modules()
+    graph = {m: {d for d in _imports(m, p, True, mods) if d in mods and d != m} for m, p in mods.items()}
+    state: dict[str, int] = {}
+    path: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(u):
+        state[u] = 1
+        path.append(u)
+        for v in graph[u]:
+            if state.get(v) == 1 and not u.startswith(v + "."):  # a package importing its own child is no cycle
+                cycles.append(path[path.index(v):] + [v])
+            elif not state.get(v):
+                visit(v)
+        path.pop()
+        state[u] = 2
+
+    for m in graph:
+        if not state.get(m):
+            visit(m)
+    assert not cycles, cycles
+
+
+def test_norm_imports_nothing_else_from_the_package():
+    """Not even inside functions: placement builds on norm, never the other way."""
+    for name, path in _modules().items():
+        if name == "ln_lightning.norm" or name.startswith("ln_lightning.norm."):
+            outside = {d for d in _imports(name, path, False, _modules()) if not d.startswith("ln_lightning.norm")}
+            assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def test_the_check_can_fail(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("def f():\n    from ln_lightning.placement import hooks\n")
+    assert "ln_lightning.placement" in _imports("ln_lightning.norm.m", p, False)
