@@ -1,6 +1,6 @@
 """Repository-level pytest configuration, for the doctest run: `python -m pytest --doctest-modules ln_lightning`.
 
-Doctest collection imports every module of the package. `ln_lightning/norm/_triton_ops.py` imports
+Doctest collection imports every module of the package. `ln_lightning/norm/_triton_ops.py` and `_triton_rms.py` import
 triton at module level (it is the Triton backend: the `triton` extra, used on CUDA machines) and has no
 docstring examples, so it is left out where triton is not installed instead of failing to import.
 No docstring example needs CUDA: they all run on the CPU backends.
@@ -12,4 +12,4 @@ import importlib.util
 
 collect_ignore: list[str] = []
 if importlib.util.find_spec("triton") is None:
-    collect_ignore.append("ln_lightning/norm/_triton_ops.py")
+    collect_ignore += ["ln_lightning/norm/_triton_ops.py", "ln_lightning/norm/_triton_rms.py"]

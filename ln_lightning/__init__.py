@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # static view of the lazy names above, for type checkers and 
         register_norm_class,
     )
     from ln_lightning.plugin import LNPlacement, UnsupportedStrategyError, load_converted
+    from ln_lightning.rewrite_record import accept_unconverted
 
 # A literal list, so that static tools read it (sorted(_EXPORTS) + [...] is opaque to them).
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "Sublayer",
     "UnsupportedStrategyError",
     "__version__",
+    "accept_unconverted",
     "convert",
     "fused_add_layer_norm",
     "inspect_model",

@@ -31,7 +31,7 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 # Import name -> the distribution that provides it.
 DISTRIBUTIONS = {"PIL": "pillow", "yaml": "pyyaml"}
 # Modules allowed to import an optional dependency (the extra that provides it, named in its error).
-OPTIONAL_IMPORTS = {"triton": {"ln_lightning/norm/_triton_ops.py"}}
+OPTIONAL_IMPORTS = {"triton": {"ln_lightning/norm/_triton_ops.py", "ln_lightning/norm/_triton_rms.py"}}
 
 
 def _pyproject() -> dict:
