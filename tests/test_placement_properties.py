@@ -232,7 +232,7 @@ def test_the_property_fails_on_a_wrong_rewrite(monkeypatch):
     from ln_lightning.placement import blocks, hooks
 
     monkeypatch.setattr(hooks.NormalizeBranchInput, "__call__", lambda self, m, a, k: None)
-    monkeypatch.setattr(blocks, "check_hooked", lambda block, specs, args, kwargs: (0.0, hooks.stream_of(block(*args, **kwargs))))
+    monkeypatch.setattr(blocks, "check_hooked", lambda block, specs, args, kwargs, start=None: (0.0, hooks.stream_of(block(*args, **kwargs))))
     spec = {"blocks": [{"kinds": ["linear"], "tuple_out": False}], "nested": False, "repeat": 1, "between": False,
             "by_keyword": False, "before_head": False, "dtype": torch.float32, "with_example": True, "seed": 0}
     with pytest.raises(AssertionError):

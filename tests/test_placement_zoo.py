@@ -40,6 +40,8 @@ W2V = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermedi
            attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0)
 
 LLM = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=99)
+FUNNEL_LAYER = [("attention.layer_norm", [("attention.q_head", (0,), ()), ("attention.k_head", (0,), ()), ("attention.v_head", (0,), ())]),
+                ("ffn.layer_norm", [("ffn.linear_1", (0,), ())])]
 BERT_LAYER = [("attention.output.LayerNorm", [("attention.self", (0,), ())]), ("output.LayerNorm", [("intermediate", (0,), ())])]
 ENC_LAYER = [("self_attn_layer_norm", [("self_attn", (0,), ())]), ("final_layer_norm", [("fc1", (0,), ())])]
 DEC_LAYER = [("self_attn_layer_norm", [("self_attn", (0,), ())]), ("encoder_attn_layer_norm", [("encoder_attn", (0,), ())]),
@@ -106,6 +108,14 @@ def _families() -> list[Family]:
                lambda: torch.randn(2, 200, generator=torch.Generator().manual_seed(2)),
                {"encoder.layers": ([("layer_norm", [("attention", (0,), ())]), ("final_layer_norm", [("feed_forward", (0,), ())])],
                                    "layer", "encoder.layers_final_norm")}),
+        # Funnel: the first layer of each later block pools the stream and also reads the unpooled stream
+        # as key and value: refused with that reason. What remains converts: the first block's layers
+        # (no final norm: their output is the pooled layer's stream) and the decoder (with one).
+        Family("funnel (what can be converted)", lambda: T.FunnelModel(T.FunnelConfig(d_model=32, n_head=2, d_head=16, d_inner=64, block_sizes=[1, 1],
+                                                                                   vocab_size=99, hidden_dropout=0.0, attention_dropout=0.0,
+                                                                                   activation_dropout=0.0)),
+               lambda: {"input_ids": _ids(8)},
+               {"encoder.blocks.0": (FUNNEL_LAYER, "layer", None), "decoder.layers": (FUNNEL_LAYER, "layer", "decoder.layers_final_norm")}),
         Family("longformer", lambda: T.LongformerModel(T.LongformerConfig(attention_window=4, **H, **NO_DROP)),
                lambda: {"input_ids": _ids(8)}, bert_stack),
     ]
@@ -325,3 +335,37 @@ def test_x_transformers_post_norm_stack_matches_pre_norm_true(kind):
     convert(model, "post", example_input=x)
     with torch.no_grad():
         torch.testing.assert_close(model(x), original(x), atol=0, rtol=0)
+
+
+def test_xlm_whose_layers_are_parallel_lists_converts_to_its_formula():
+    """XLM loops over `attentions[i]`, `layer_norm1[i]`, `ffns[i]`, `layer_norm2[i]` in XLMModel.forward
+    (no layer module): the whole model is read as one block, and the reference replaces each norm by an
+    identity and gives each branch its norm's output, by module replacement."""
+    torch.manual_seed(0)
+    model = T.XLMModel(T.XLMConfig(emb_dim=32, n_layers=2, n_heads=2, vocab_size=99, dropout=0.0, attention_dropout=0.0))
+    _trained_norms(model)
+    original = copy.deepcopy(model)
+    ids = {"input_ids": _ids()}
+    report = convert(model, "pre", example_input=ids)
+    assert [b.status for b in report.blocks] == ["converted"] and report.added == ["layers_final_norm"], str(report)
+    ref = copy.deepcopy(original)
+    for i in range(2):
+        for norms, branches in (("layer_norm1", "attentions"), ("layer_norm2", "ffns")):
+            norm = copy.deepcopy(getattr(ref, norms)[i])
+            getattr(ref, norms)[i] = nn.Identity()
+            getattr(ref, branches)[i] = _NormalisedEntry(getattr(ref, branches)[i], norm, (0,), ())
+    final = copy.deepcopy(model.layers_final_norm)
+    final.__dict__.pop("ln_lightning_final_norm_of", None)
+    final._forward_hooks.clear()
+    ref = _NormaliseStream(ref, final)
+    err = 0.0
+    for mode in (False, True):
+        model.train(mode), ref.train(mode)
+        with torch.no_grad():
+            err = max(err, _rel(_run(model, ids), _run(ref, ids)))
+    RESULTS.append(("xlm (layers as parallel lists)", "converted", "formula", err))
+    assert err < 1e-5
+    convert(model, "post", example_input=ids)
+    model.eval(), original.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(_run(model, ids), _run(original, ids), atol=0, rtol=0)

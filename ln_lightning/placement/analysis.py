@@ -105,16 +105,37 @@ class _Block:
         return [e for e in self.rec.module_calls(module) if self.call.index < e.index <= self.call.end]
 
 
-def analyse(rec: Recording, call: Event, types: tuple) -> list[ObservedSublayer]:
-    """The sublayers of the block whose call is `call`; raises Unrecognised with the reason."""
+_MASKS = {"mul", "__mul__", "__rmul__", "__imul__", "mul_"}
+
+
+def follow_stream_ops(rec: Recording, s: int, call: Event) -> int:
+    """The stream after what a forward does to it between sublayers without a branch: a multiply by a
+    mask that does not depend on the stream (XLM zeroes padded positions with `tensor *= mask`)."""
+    for _ in range(8):
+        readers = [rec.events[r] for r in rec.values[s].readers if call.index < r <= call.end]
+        readers = [r for r in readers if [v for _, v in r.outputs] != [s]]  # pass-throughs: dropout in eval, a deferred norm
+        if len(readers) != 1 or readers[0].kind != "function" or readers[0].name not in _MASKS:
+            return s
+        r = readers[0]
+        others = [v for _, v in r.inputs if v != s]
+        if len(others) != 1 or others[0] in rec.descendants(s, within=call) or not r.outputs:
+            return s
+        s = r.outputs[0][1]
+    return s
+
+
+def analyse(rec: Recording, call: Event, types: tuple, start: int | None = None) -> list[ObservedSublayer]:
+    """The sublayers of the block whose call is `call` (its stream from the value `start` when the
+    stream is not the block's first input); raises Unrecognised with the reason."""
     blk = _Block(rec, call, types)
-    s, out = stream_input(call), stream_output(call)
+    s, out = (stream_input(call) if start is None else start), stream_output(call)
     if s is None:
         raise Unrecognised("the block received no tensor")
     if out is None:
         raise Unrecognised("the block returned no tensor")
     subs: list[ObservedSublayer] = []
     for _ in range(call.end - call.index + 1):
+        s = follow_stream_ops(rec, s, call)
         if s == out:
             break
         sub, nxt = _next_sublayer(blk, s, len(subs))

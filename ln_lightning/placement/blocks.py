@@ -413,7 +413,9 @@ class HookedHandler(Handler):
                 out_norm=out_norm, scale=getattr(self.block, self._scale_name(s), None),
                 through=self._get(s.norm) if s.written == "post" else None,
             ))
-        return check_hooked(self.block, specs, args, kwargs)
+        from ln_lightning.placement import families
+
+        return check_hooked(self.block, specs, args, kwargs, start=families.stream_start_fn(self.block))
 
 
 def fresh_norm_like(norm: nn.Module) -> nn.Module:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ln_lightning.placement import hooks
-from ln_lightning.placement.analysis import stream_input, stream_output
+from ln_lightning.placement.analysis import follow_stream_ops, stream_input, stream_output
 from ln_lightning.placement.recording import record
 
 # Relative tolerances per dtype: a few units of the format's rounding (float32 2^-24, bfloat16 2^-8,
@@ -69,7 +69,7 @@ class SublayerCheck:
     through: nn.Module | None  # a post-norm sublayer's norm: its call site must pass x + branch through
 
 
-def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwargs: dict) -> tuple[float, torch.Tensor]:
+def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwargs: dict, start=None) -> tuple[float, torch.Tensor]:
     """(largest relative error, block output); raises CheckFailed on a structural mismatch."""
     raw_exits, handles = [], []
     for sc in subs:
@@ -85,7 +85,8 @@ def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwarg
         for h in handles:
             h.remove()
     call = next(e for e in rec.events if e.kind == "module" and e.module is block)
-    s, out_v = stream_input(call), stream_output(call)
+    s = stream_input(call) if start is None else start(block, rec, call)
+    out_v = stream_output(call)
     if s is None or out_v is None:
         raise CheckFailed("the rewritten block has no stream input or output")
     inside = lambda e: call.index < e.index <= call.end  # noqa: E731
@@ -101,6 +102,7 @@ def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwarg
     err = 0.0
     passed_through = -1  # the previous sublayer's norm call site, which returned this stream
     for i, (sc, raw) in enumerate(zip(subs, raw_exits)):
+        s = follow_stream_ops(rec, s, call)
         x = rec.values[s].tensor
         if sc.entries:
             ref = hooks.reference_norm(sc.in_norm, x)
@@ -149,6 +151,7 @@ def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwarg
                 raise CheckFailed(f"sublayer {i}: the norm is no longer applied to x + F(x) once (observed {len(through)})")
             passed_through = through[0].index
         s = a
+    s = follow_stream_ops(rec, s, call)
     if s != out_v:
         err = max(err, relative_error(rec.values[out_v].tensor, rec.values[s].tensor))
     return err, hooks.stream_of(out)

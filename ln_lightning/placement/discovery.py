@@ -168,7 +168,8 @@ def _relative(path: str | None, block_path: str) -> str | None:
 
 def _observed_handler(block: nn.Module, path: str, rec: Recording, call) -> HookedHandler:
     subs = []
-    for o in analyse(rec, call, norm_types()):
+    start_fn = families.stream_start_fn(block)
+    for o in analyse(rec, call, norm_types(), start=start_fn(block, rec, call) if start_fn else None):
         rel = lambda p: _relative(p, path)  # noqa: E731
         plan = None
         if o.plan is not None:

@@ -82,6 +82,9 @@ def detect(model: nn.Module, stack: Stack, found: Found) -> None:
     if slot is not None:
         stack.final_norm = join(last.path, slot) if isinstance(getattr(last.block, slot), norm_types()) else None
         return
+    if families.final_norm_on_output(last.block) is not None:
+        stack.final_norm = None  # the family's model has none of its own (XLM)
+        return
     if found.observation is not None:
         _detect_observed(model, stack, found)
         return
@@ -235,6 +238,14 @@ def add(model: nn.Module, stack: Stack, found: Found) -> str:
         hooks.make_bypassable(norm)
         setattr(last.block, slot, norm)
         return join(last.path, slot)
+    child = families.final_norm_on_output(last.block)
+    if child is not None:  # a whole model read as one block: on its output stream, once per forward
+        if hasattr(last.block, child):
+            raise NotAdded(f"{join(last.path, child)} already exists")
+        setattr(norm, MARKER, stack.path)
+        last.block.add_module(child, norm)
+        last.block.register_forward_hook(hooks.ApplyFinalNorm(norm))
+        return join(last.path, child)
     if stack.path == "":
         raise NotAdded(
             f"the model itself is the stack ({type(stack.container).__name__}); there is no module to hold a final norm "

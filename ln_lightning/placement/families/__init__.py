@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ln_lightning.placement.families import x_transformers
+from ln_lightning.placement.families import x_transformers, xlm
 
-FAMILIES = (x_transformers,)
+FAMILIES = (x_transformers, xlm)
 
 
 def is_block(module: nn.Module) -> bool:
@@ -23,9 +23,28 @@ def norm_classes() -> list[type]:
     return [c for f in FAMILIES for c in f.norm_classes()]
 
 
+def stream_start_fn(block: nn.Module):
+    """For a block whose stream is not its first input (a whole model whose loop runs over parallel
+    lists of modules, XLM), a function (block, recording, call) -> the stream's value; else None."""
+    for f in FAMILIES:
+        fn = getattr(f, "stream_start", None)
+        if fn is not None and f.is_block(block):
+            return fn
+    return None
+
+
+def final_norm_on_output(block: nn.Module) -> str | None:
+    """For such a block: the child name for a final norm applied to its output stream."""
+    for f in FAMILIES:
+        fn = getattr(f, "final_norm_on_output", None)
+        if fn is not None and f.is_block(block):
+            return fn(block)
+    return None
+
+
 def final_norm_slot(block: nn.Module) -> str | None:
     for f in FAMILIES:
-        slot = f.final_norm_slot(block)
+        slot = getattr(f, "final_norm_slot", lambda b: None)(block)
         if slot is not None:
             return slot
     return None
