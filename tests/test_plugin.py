@@ -58,7 +58,7 @@ def _x():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(placement="middle"), r"LNPlacement: unknown placement 'middle'; valid placements are 'pre' .* and 'post'"),
+        (dict(placement="middle"), r"LNPlacement: unknown placement 'middle'; valid placements are 'pre' .*'post' .*'peri' .*'output' .*'mix'"),
         (dict(branch_scale="deep"), r"unknown branch_scale 'deep'; valid values are None, a positive float c, 'depth' .* or 'layerscale'"),
         (dict(branch_scale=-0.5), r"branch_scale=-0.5 is not valid; valid values are"),
         (dict(branch_scale=float("nan")), r"branch_scale=nan is not valid"),
