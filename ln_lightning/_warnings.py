@@ -1,4 +1,4 @@
-"""The one warning category of ln_lightning.
+"""The one warning category of ln_lightning, and how the package warns and logs.
 
 A leaf module (standard library only), so the class can be imported, filtered or raised without
 importing Lightning or torch::
@@ -20,6 +20,11 @@ Example:
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import warnings
+
 __all__ = ["LNLightningWarning"]
 
 
@@ -33,3 +38,72 @@ class LNLightningWarning(UserWarning):
     """
 
     __module__ = "ln_lightning"
+
+
+# Informational messages go to the "ln_lightning" logger (modules use child loggers, "ln_lightning.plugin",
+# ...), so `logging.getLogger("ln_lightning").setLevel(logging.WARNING)` silences them. Shown at INFO by
+# default, as Lightning does for its own logger: a handler only when the application configured none.
+_logger = logging.getLogger("ln_lightning")
+if _logger.level == logging.NOTSET:
+    _logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers() and not _logger.handlers:
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
+
+
+# Frames in these packages are not "the user's code": a warning raised inside a Lightning hook is
+# attributed to the first frame outside them (the user's `trainer.fit(...)` line, a test, a script).
+_LIBRARY_PACKAGES = ("ln_lightning", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torch")
+_LIBRARY_DIRS: tuple[str, ...] | None = None
+
+
+def _library_dirs() -> tuple[str, ...]:
+    global _LIBRARY_DIRS
+    if _LIBRARY_DIRS is None:
+        dirs = []
+        for name in _LIBRARY_PACKAGES:
+            module = sys.modules.get(name)
+            file = getattr(module, "__file__", None)
+            if file:
+                dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+        if "torch" in sys.modules:  # computed once the heavy packages are loaded (call sites run after that)
+            _LIBRARY_DIRS = tuple(dirs)
+        return tuple(dirs)
+    return _LIBRARY_DIRS
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` for a `warnings.warn` made by this module's caller that points at the user's frame."""
+    dirs = _library_dirs()
+    frame = sys._getframe(2)  # the frame that called `warn` below
+    level = 2  # warnings.warn(stacklevel=2) inside `warn` names the frame that called `warn`
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
+        frame = frame.f_back
+        level += 1
+    if frame is None:  # only library frames (e.g. a worker process's entry point): name the call site
+        return 2
+    return level
+
+
+def _is_rank_zero() -> bool:
+    # Lightning keeps the process's global rank on lightning_utilities' `rank_zero_only` (one function object
+    # shared by lightning.pytorch and pytorch_lightning); read it without importing Lightning.
+    utils = sys.modules.get("lightning_utilities.core.rank_zero")
+    rank = getattr(getattr(utils, "rank_zero_only", None), "rank", 0)
+    return rank == 0
+
+
+def info(logger: logging.Logger, message: str) -> None:
+    """Log `message` at INFO on `logger` (an "ln_lightning..." logger) from global rank 0 only."""
+    if _is_rank_zero():
+        logger.info(message)
+
+
+def warn(message: str, *, rank_zero_only: bool = True) -> None:
+    """Emit `message` as an :class:`LNLightningWarning` attributed to the user's code.
+
+    With ``rank_zero_only`` (default) only global rank 0 warns, like Lightning's ``rank_zero_warn``.
+    """
+    if rank_zero_only and not _is_rank_zero():
+        return
+    warnings.warn(message, LNLightningWarning, stacklevel=_user_stacklevel())

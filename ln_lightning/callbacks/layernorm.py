@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Sequence
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ln_lightning.callbacks._common import MonitorBase, first_tensor, metric_safe, normalize_name
 from ln_lightning.callbacks._reduce import PackedStats
+from ln_lightning._warnings import info, warn
+
+_log = logging.getLogger(__name__)
 
 # SUM columns per norm; the MAX section holds one value per norm: -min(var).
 _SUM_VAR, _NONFINITE, _ROWS = range(3)
@@ -129,13 +132,13 @@ class LayerNormInputMonitor(MonitorBase):
         for index, (path, module, ndim, _, is_add) in enumerate(targets):
             hook = self._make_hook(index, ndim, is_add)
             self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        rank_zero_info(f"LayerNormInputMonitor: monitoring {len(targets)} norms")
+        info(_log, f"LayerNormInputMonitor: monitoring {len(targets)} norms")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._handles:
             self._register(pl_module)
             if not self._handles:
-                rank_zero_warn("LayerNormInputMonitor found no LayerNorm modules and will log nothing.")
+                warn("LayerNormInputMonitor found no LayerNorm modules and will log nothing.")
         if self._handles:
             n = len(self.norm_paths)
             self._stats = PackedStats(n * _COLS, n, pl_module.device)
@@ -217,7 +220,7 @@ class LayerNormInputMonitor(MonitorBase):
         metrics["ln/nonfinite_count"] = nonfinite
         self._n_logs += 1
         if over:
-            rank_zero_warn(
+            warn(
                 f"LayerNormInputMonitor at step {step}: input variance near eps, the norm amplifies its input "
                 f"(and gradient) close to its 1/sqrt(eps) bound: {'; '.join(over)}. "
                 "Such a norm is normalising almost-constant rows; consider a larger eps or check the layer feeding it."
