@@ -96,7 +96,7 @@ def _is_rank_zero() -> bool:
 def info(logger: logging.Logger, message: str) -> None:
     """Log `message` at INFO on `logger` (an "ln_lightning..." logger) from global rank 0 only."""
     if _is_rank_zero():
-        logger.info(message)
+        logger.info(message, stacklevel=2)  # the record names the calling module's line
 
 
 def warn(message: str, *, rank_zero_only: bool = True) -> None:

@@ -542,6 +542,7 @@ class LNPlacement(LayerSync, Callback):
 
     # ------------------------------------------------------------------ Callback hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _lightning_patch.check_same_namespace(trainer, self)
         needs_rewrite = self.applied_config(pl_module) is None
         if stage == "fit" or needs_rewrite:
             self._check_strategy(trainer.strategy)

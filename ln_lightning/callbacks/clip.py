@@ -12,6 +12,7 @@ from torch import nn
 
 from ln_lightning.callbacks._common import MonitorBase, discover_blocks, metric_safe, normalize_name
 from ln_lightning.callbacks._reduce import PackedStats, distributed_world
+from ln_lightning import _lightning_patch
 from ln_lightning._warnings import warn
 
 try:  # public since torch 2.5
@@ -175,6 +176,7 @@ class ClipAttributionMonitor(MonitorBase):
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _lightning_patch.check_same_namespace(trainer, self)
         if stage != "fit":
             return
         self._resolve_every(trainer)

@@ -12,6 +12,7 @@ from torch import nn
 
 from ln_lightning.callbacks._common import MonitorBase, first_tensor, metric_safe, normalize_name
 from ln_lightning.callbacks._reduce import PackedStats
+from ln_lightning import _lightning_patch
 from ln_lightning._warnings import info, warn
 
 _log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class LayerNormInputMonitor(MonitorBase):
         self._n_logs = 0
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _lightning_patch.check_same_namespace(trainer, self)
         if stage != "fit" or self._handles:
             return
         self._resolve_every(trainer)

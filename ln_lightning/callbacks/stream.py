@@ -12,6 +12,7 @@ from torch import nn
 
 from ln_lightning.callbacks._common import MonitorBase, discover_blocks, first_tensor, metric_safe, resolve_paths
 from ln_lightning.callbacks._reduce import PackedStats
+from ln_lightning import _lightning_patch
 from ln_lightning._warnings import info, warn
 
 _log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class StreamNormMonitor(MonitorBase):
 
     # -- hooks ------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _lightning_patch.check_same_namespace(trainer, self)
         if stage != "fit" or self._handles:
             return
         self._resolve_every(trainer)
