@@ -102,9 +102,11 @@ def test_patch_is_idempotent_and_inactive_without_lnplacement(tmp_path):
 
 
 def test_version_guard():
+    # exactly what CI tests: the latest 2.5.x and 2.6.x (.ci/run)
     assert _lightning_patch.lightning_version_supported("2.6.6")
+    assert _lightning_patch.lightning_version_supported("2.5.6")
     assert not _lightning_patch.lightning_version_supported("2.7.0")
-    assert not _lightning_patch.lightning_version_supported("2.5.1")
+    assert not _lightning_patch.lightning_version_supported("2.4.0")
     assert "ln_lightning.convert" in _lightning_patch._unsupported_version_message("2.7.0")
 
 

@@ -143,3 +143,60 @@ def test_the_package_has_warning_call_sites():
 def test_every_warning_call_passes_the_category():
     _, offenders = scan()
     assert not offenders, "warning calls without category=LNLightningWarning:\n" + "\n".join(offenders)
+
+
+_FIT_WITHOUT_NORMS = '''
+import sys, warnings
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+if sys.argv[1] == "pytorch_lightning":
+    import pytorch_lightning as pl
+    from ln_lightning.pytorch_lightning import LayerNormInputMonitor, StreamNormMonitor
+else:
+    import lightning.pytorch as pl
+    from ln_lightning import LayerNormInputMonitor, StreamNormMonitor
+
+class NoNorms(pl.LightningModule):  # nothing for the monitors to watch: each warns at setup
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, callbacks=[LayerNormInputMonitor(), StreamNormMonitor()])
+with warnings.catch_warnings(record=True) as caught:
+    if not sys.warnoptions:  # keep a -W error::... given on the command line
+        warnings.simplefilter("always")
+    trainer.fit(NoNorms(), DataLoader(TensorDataset(torch.randn(4, 4)), batch_size=2))  # FIT LINE
+for w in caught:
+    if w.category.__name__ == "LNLightningWarning":
+        print("WARNED", w.filename, w.lineno, str(w.message)[:40])
+'''
+
+
+@pytest.mark.parametrize("ns", ["lightning.pytorch", "pytorch_lightning"])
+def test_command_line_error_filter_stops_the_packages_warnings_at_the_users_line(ns, tmp_path):
+    if ns == "pytorch_lightning":
+        pytest.importorskip("pytorch_lightning")
+    script = tmp_path / "user_script.py"
+    script.write_text(_FIT_WITHOUT_NORMS)
+    fit_line = next(i for i, line in enumerate(_FIT_WITHOUT_NORMS.splitlines(), 1) if "# FIT LINE" in line)
+
+    def run(*python_args):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        return subprocess.run([sys.executable, *python_args, str(script), ns], capture_output=True, text=True, env=env,
+                              timeout=300, cwd=tmp_path)
+
+    # Without the filter: the warnings are LNLightningWarnings and name the user's fit line, not a library frame.
+    r = run()
+    assert r.returncode == 0, r.stderr
+    warned = [line.split() for line in r.stdout.splitlines() if line.startswith("WARNED")]
+    assert len(warned) >= 2, r.stdout + r.stderr
+    assert all(w[1] == str(script) and int(w[2]) == fit_line for w in warned), warned
+    # With it: the first package warning is an error.
+    r = run("-W", "error::ln_lightning.LNLightningWarning")
+    assert r.returncode != 0
+    assert "ln_lightning.LNLightningWarning: LayerNormInputMonitor found no LayerNorm modules" in r.stderr, r.stderr[-3000:]
