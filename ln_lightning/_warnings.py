@@ -54,35 +54,38 @@ if not logging.getLogger().hasHandlers() and not _logger.handlers:
 # Frames in these packages are not "the user's code": a warning raised inside a Lightning hook is
 # attributed to the first frame outside them (the user's `trainer.fit(...)` line, a test, a script).
 _LIBRARY_PACKAGES = ("ln_lightning", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torch")
-_LIBRARY_DIRS: tuple[str, ...] | None = None
 
 
 def _library_dirs() -> tuple[str, ...]:
-    global _LIBRARY_DIRS
-    if _LIBRARY_DIRS is None:
-        dirs = []
-        for name in _LIBRARY_PACKAGES:
-            module = sys.modules.get(name)
-            file = getattr(module, "__file__", None)
-            if file:
-                dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
-        if "torch" in sys.modules:  # computed once the heavy packages are loaded (call sites run after that)
-            _LIBRARY_DIRS = tuple(dirs)
-        return tuple(dirs)
-    return _LIBRARY_DIRS
+    # Looked up at each warning (they are rare): a namespace imported after the first warning counts too.
+    dirs = []
+    for name in _LIBRARY_PACKAGES:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+    return tuple(dirs)
+
+
+def _is_import_machinery(filename: str) -> bool:
+    return "importlib" in filename and "_bootstrap" in filename  # frames warnings.warn itself does not count
 
 
 def _user_stacklevel() -> int:
-    """The `stacklevel` for a `warnings.warn` made by this module's caller that points at the user's frame."""
+    """The `stacklevel` that makes the caller's next `warnings.warn(...)` name the user's frame.
+
+    Counted the way `warnings.warn` counts: from the caller, over frames other than the import machinery.
+    """
     dirs = _library_dirs()
-    frame = sys._getframe(2)  # the frame that called `warn` below
-    level = 2  # warnings.warn(stacklevel=2) inside `warn` names the frame that called `warn`
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
+    frame, level = sys._getframe(1), 1  # the frame that is about to call warnings.warn
+    while True:
         frame = frame.f_back
+        while frame is not None and _is_import_machinery(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is None:  # only library frames (e.g. a spawned worker's entry point): name the call site's caller
+            return 2
         level += 1
-    if frame is None:  # only library frames (e.g. a worker process's entry point): name the call site
-        return 2
-    return level
+        if not os.path.abspath(frame.f_code.co_filename).startswith(dirs):
+            return level
 
 
 def _is_rank_zero() -> bool:
@@ -106,4 +109,4 @@ def warn(message: str, *, rank_zero_only: bool = True) -> None:
     """
     if rank_zero_only and not _is_rank_zero():
         return
-    warnings.warn(message, LNLightningWarning, stacklevel=_user_stacklevel())
+    warnings.warn(message, LNLightningWarning, stacklevel=_user_stacklevel())  # counted from this frame

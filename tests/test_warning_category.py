@@ -91,6 +91,14 @@ def test_the_class():
         warnings.warn("x", LNLightningWarning)
 
 
+def test_helper_names_the_first_frame_outside_the_package():
+    from ln_lightning import _warnings
+
+    with pytest.warns(LNLightningWarning, match="direct") as rec:
+        _warnings.warn("direct")  # called from user code: this line
+    assert rec[0].filename == __file__  # (from inside a Lightning hook: the subprocess test below)
+
+
 def _run(code: str, *python_args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, *python_args, "-c", code], capture_output=True, text=True, env=env, timeout=120)
