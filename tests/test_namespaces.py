@@ -147,3 +147,26 @@ def test_other_namespaces_plugin_is_refused_by_the_trainer(ns, tmp_path):
     other = namespace(ns.other)
     with pytest.raises(Exception, match="Found invalid type for plugin LNPlacement"):
         _trainer(ns, tmp_path, plugins=[other.ln.LNPlacement()])
+
+
+# Modules that import Lightning but are not things a user puts in a Trainer (lightning.pytorch only).
+_LIGHTNING_ONLY = {"ln_lightning/demo/lightning.py", "ln_lightning/lightning_cli.py", "ln_lightning/pytorch_lightning.py"}
+
+
+def test_every_module_that_imports_lightning_is_translated_for_pytorch_lightning():
+    # A new Lightning-facing module (a callback, a plugin piece) must be added to `_CLONED` in
+    # ln_lightning/pytorch_lightning.py, or pytorch_lightning users would get lightning.pytorch classes from it.
+    import ast
+
+    from ln_lightning import pytorch_lightning as lnpl
+
+    root = Path(__file__).resolve().parents[1]
+    importing = set()
+    for path in (root / "ln_lightning").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            if any(n == "lightning" or n.startswith("lightning.") for n in names):
+                importing.add(path.relative_to(root).as_posix())
+    cloned = {"ln_lightning/" + m.replace(".", "/") + ("/__init__.py" if m == "callbacks" else ".py") for m in lnpl._CLONED}
+    assert importing - _LIGHTNING_ONLY <= cloned, sorted(importing - _LIGHTNING_ONLY - cloned)
