@@ -602,7 +602,7 @@ class LNPlacement(LayerSync, Callback):
         if self.swap_report is not None:
             sw = self.swap_report
             info(log, f"LNPlacement: fused LayerNorm swapped in for {len(sw['swapped'])} LayerNorm(s)"
-                           + (f", skipped {len(sw['skipped'])}: {sw['skipped']}" if sw["skipped"] else ""))
+                      + (f", skipped {len(sw['skipped'])}: {sw['skipped']}" if sw["skipped"] else ""))
         payload = {"config": self.config, "fused": self.fused, "strategy": type(trainer.strategy).__name__,
                    "report": report.to_dict(), "fused_swap": self.swap_report}
         if log_dir:

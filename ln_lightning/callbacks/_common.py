@@ -205,7 +205,7 @@ class MonitorBase(Callback):
                     writer.add_image(tag, self._profile_plot.render(**plot_kwargs), global_step=step, dataformats="HWC")
         except Exception as err:  # an image must never stop training: turn images off, keep the scalars
             warn(f"{type(self).__name__}: logging the depth-profile image failed ({type(err).__name__}: {err}); "
-                           "images are off for the rest of this run, scalars are still logged.")
+                 "images are off for the rest of this run, scalars are still logged.")
             self.log_depth_profile = False
 
 
