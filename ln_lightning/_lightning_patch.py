@@ -27,9 +27,9 @@ from typing import Any, Callable
 import lightning
 from lightning.pytorch.trainer import call as _call
 
-# The range this patch was written against and tested with (lightning 2.6.6). Outside it `install`
-# raises: an untested patch could silently stop applying the rewrite.
-TESTED_LIGHTNING = ((2, 6), (2, 7))  # [min, max)
+# The range this patch was written against and CI tests (lightning / pytorch_lightning 2.5.6 and 2.6.6).
+# Outside it `install` raises: an untested patch could silently stop applying the rewrite.
+TESTED_LIGHTNING = ((2, 5), (2, 7))  # [min, max)
 
 _MARK = "__ln_lightning_patched__"
 
@@ -50,6 +50,40 @@ def _unsupported_version_message(version: str) -> str:
         f"ln_lightning's LNPlacement is tested with lightning >={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}; found lightning "
         f"{version}. Rather than risk a silent no-op, it refuses to run. Alternative: call "
         "ln_lightning.convert(model, ...) yourself before trainer.fit(model), and drop LNPlacement from the Trainer."
+    )
+
+
+# Written split so that the pytorch_lightning translation (ln_lightning/pytorch_lightning.py), which renames
+# this spelling everywhere in this file, leaves these names alone.
+_NAMESPACES = {"lightning": "lightning" ".pytorch", "pytorch_lightning": "pytorch_lightning"}
+
+
+def _namespace(cls: type) -> str | None:
+    """The Lightning namespace a Trainer class comes from; None for anything else."""
+    root, _, rest = cls.__module__.partition(".")
+    return _NAMESPACES.get(root) if cls.__name__ == "Trainer" and rest.endswith("trainer.trainer") else None
+
+
+def check_same_namespace(trainer: Any, obj: Any) -> None:
+    """Refuse `obj` (an ln_lightning plugin or callback) in a Trainer of the other Lightning namespace.
+
+    `lightning.pytorch` and `pytorch_lightning` hold separate classes: the other Trainer would call the hooks
+    but its strategies, modules and checkpoints would fail this object's type checks in confusing ways.
+    """
+    from lightning.pytorch import Trainer
+
+    if isinstance(trainer, Trainer):
+        return
+    theirs = next((_namespace(c) for c in type(trainer).__mro__ if _namespace(c)), None)
+    ours = _namespace(Trainer)
+    if theirs is None or theirs == ours:  # not a Lightning Trainer (a test double): nothing to compare
+        return
+    name = type(obj).__name__
+    source = "ln_lightning.pytorch_lightning" if theirs == "pytorch_lightning" else "ln_lightning"
+    raise TypeError(
+        f"{name} was imported for {ours} ({type(obj).__module__}), but this Trainer is a {theirs}.Trainer: "
+        f"{ours} and {theirs} are separate packages with separate classes and can't be mixed in one Trainer. "
+        f"Use `from {source} import {name}` with {theirs}, or build the Trainer from {ours}."
     )
 
 

@@ -1,4 +1,4 @@
-"""The one warning category of ln_lightning.
+"""The one warning category of ln_lightning, and how the package warns and logs.
 
 A leaf module (standard library only), so the class can be imported, filtered or raised without
 importing Lightning or torch::
@@ -20,6 +20,11 @@ Example:
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import warnings
+
 __all__ = ["LNLightningWarning"]
 
 
@@ -33,3 +38,75 @@ class LNLightningWarning(UserWarning):
     """
 
     __module__ = "ln_lightning"
+
+
+# Informational messages go to the "ln_lightning" logger (modules use child loggers, "ln_lightning.plugin",
+# ...), so `logging.getLogger("ln_lightning").setLevel(logging.WARNING)` silences them. Shown at INFO by
+# default, as Lightning does for its own logger: a handler only when the application configured none.
+_logger = logging.getLogger("ln_lightning")
+if _logger.level == logging.NOTSET:
+    _logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers() and not _logger.handlers:
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
+
+
+# Frames in these packages are not "the user's code": a warning raised inside a Lightning hook is
+# attributed to the first frame outside them (the user's `trainer.fit(...)` line, a test, a script).
+_LIBRARY_PACKAGES = ("ln_lightning", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torch")
+
+
+def _library_dirs() -> tuple[str, ...]:
+    # Looked up at each warning (they are rare): a namespace imported after the first warning counts too.
+    dirs = []
+    for name in _LIBRARY_PACKAGES:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+    return tuple(dirs)
+
+
+def _is_import_machinery(filename: str) -> bool:
+    return "importlib" in filename and "_bootstrap" in filename  # frames warnings.warn itself does not count
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` that makes the caller's next `warnings.warn(...)` name the user's frame.
+
+    Counted the way `warnings.warn` counts: from the caller, over frames other than the import machinery.
+    """
+    dirs = _library_dirs()
+    frame, level = sys._getframe(1), 1  # the frame that is about to call warnings.warn
+    while True:
+        frame = frame.f_back
+        while frame is not None and _is_import_machinery(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is None:  # only library frames (e.g. a spawned worker's entry point): name the call site's caller
+            return 2
+        level += 1
+        if not os.path.abspath(frame.f_code.co_filename).startswith(dirs):
+            return level
+
+
+def _is_rank_zero() -> bool:
+    # Lightning keeps the process's global rank on lightning_utilities' `rank_zero_only` (one function object
+    # shared by lightning.pytorch and pytorch_lightning); read it without importing Lightning.
+    utils = sys.modules.get("lightning_utilities.core.rank_zero")
+    rank = getattr(getattr(utils, "rank_zero_only", None), "rank", 0)
+    return rank == 0
+
+
+def info(logger: logging.Logger, message: str) -> None:
+    """Log `message` at INFO on `logger` (an "ln_lightning..." logger) from global rank 0 only."""
+    if _is_rank_zero():
+        logger.info(message, stacklevel=2)  # the record names the calling module's line
+
+
+def warn(message: str, *, rank_zero_only: bool = True) -> None:
+    """Emit `message` as an :class:`LNLightningWarning` attributed to the user's code.
+
+    With ``rank_zero_only`` (default) only global rank 0 warns, like Lightning's ``rank_zero_warn``.
+    """
+    if rank_zero_only and not _is_rank_zero():
+        return
+    warnings.warn(message, LNLightningWarning, stacklevel=_user_stacklevel())  # counted from this frame

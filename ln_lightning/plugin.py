@@ -31,10 +31,10 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     Strategy,
 )
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ln_lightning import _lightning_patch, rewrite_record
+from ln_lightning._warnings import info, warn
 from ln_lightning.placement import PlacementError, validate_options
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def _swap_fused(model: nn.Module) -> Any:
         from ln_lightning.norm import swap_layernorms
     except ImportError as err:
         if not _fused_unavailable_logged:
-            rank_zero_warn(
+            warn(
                 f"LNPlacement(fused=True): the fused LayerNorm is not available ({err}); the model keeps "
                 "torch.nn.LayerNorm. Pass fused=False to silence this."
             )
@@ -518,7 +518,7 @@ class LNPlacement(LayerSync, Callback):
         fresh = [k for k in own if k not in state and any(k == a or k.startswith(a + ".") for a in added)]
         for key in fresh:
             state[key] = own[key].detach().cpu().clone()
-        rank_zero_warn(
+        warn(
             f"LNPlacement(resume_unconverted=True): {where} was written without the placement rewrite; its weights are "
             f"loaded into the model rewritten to ({_fmt(config or {})}), which computes "
             f"{(config or {}).get('placement')}-norm with them from the first step, not the function they were "
@@ -542,6 +542,7 @@ class LNPlacement(LayerSync, Callback):
 
     # ------------------------------------------------------------------ Callback hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _lightning_patch.check_same_namespace(trainer, self)
         needs_rewrite = self.applied_config(pl_module) is None
         if stage == "fit" or needs_rewrite:
             self._check_strategy(trainer.strategy)
@@ -574,12 +575,12 @@ class LNPlacement(LayerSync, Callback):
 
     def _announce(self, trainer: Trainer, stage: str, rewrote: bool) -> None:
         if self._note is not None:
-            rank_zero_info(self._note)
+            info(log, self._note)
             self._note = None
         if stage == "fit" and self.log_report and self._report_pending:
             self._log_report(trainer)
         elif rewrote and self.report is not None:
-            rank_zero_info(f"LNPlacement ({getattr(stage, 'value', stage)}): {self.report.summary()}")
+            info(log, f"LNPlacement ({getattr(stage, 'value', stage)}): {self.report.summary()}")
 
     def _log_report(self, trainer: Trainer) -> None:
         # The JSON goes next to the logger's files; without a logger there is no log dir to litter.
@@ -588,20 +589,20 @@ class LNPlacement(LayerSync, Callback):
         if not trainer.is_global_zero or self.report is None:
             return
         report = self.report
-        rank_zero_info(f"LNPlacement {self.config}:\n{report}")
+        info(log, f"LNPlacement {self.config}:\n{report}")
         if not report.converted and report.changed is False:
-            rank_zero_info("LNPlacement: the model needed no change; training proceeds with it as it is.")
+            info(log, "LNPlacement: the model needed no change; training proceeds with it as it is.")
         if report.skipped:
-            rank_zero_warn(
+            warn(
                 f"LNPlacement skipped {len(report.skipped)} block(s): "
                 + "; ".join(f"{b.path}: {b.reason}" for b in report.skipped)
             )
         if not report.blocks:
-            rank_zero_warn("LNPlacement found no residual blocks in the model: nothing was rewritten.")
+            warn("LNPlacement found no residual blocks in the model: nothing was rewritten.")
         if self.swap_report is not None:
             sw = self.swap_report
-            rank_zero_info(f"LNPlacement: fused LayerNorm swapped in for {len(sw['swapped'])} LayerNorm(s)"
-                           + (f", skipped {len(sw['skipped'])}: {sw['skipped']}" if sw["skipped"] else ""))
+            info(log, f"LNPlacement: fused LayerNorm swapped in for {len(sw['swapped'])} LayerNorm(s)"
+                      + (f", skipped {len(sw['skipped'])}: {sw['skipped']}" if sw["skipped"] else ""))
         payload = {"config": self.config, "fused": self.fused, "strategy": type(trainer.strategy).__name__,
                    "report": report.to_dict(), "fused_swap": self.swap_report}
         if log_dir:
@@ -632,7 +633,7 @@ class LNPlacement(LayerSync, Callback):
             # A model built in configure_model (on the meta device under FSDP): still before wrapping and optimizers.
             report = self.rewrite(model)
             if report is not None and report.blocks:
-                rank_zero_info(f"LNPlacement {self.config}:\n{report}")
+                info(log, f"LNPlacement {self.config}:\n{report}")
         if self.layer_sync is not None:
             model = self.layer_sync.apply(model)
         return model

@@ -13,6 +13,8 @@ import textwrap
 import warnings
 
 import pytest
+
+from ln_lightning import LNLightningWarning
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
@@ -244,7 +246,7 @@ def test_cpu_kernel_build_failure_warns_once_and_falls_back(monkeypatch):
     monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
     x = torch.randn(3, 16).bfloat16().requires_grad_()
     r = torch.randn(3, 16).bfloat16()
-    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found.*pip install ninja.*LN_LIGHTNING_CPU_KERNELS=0"):
+    with pytest.warns(LNLightningWarning, match="no C\\+\\+ compiler found.*pip install ninja.*LN_LIGHTNING_CPU_KERNELS=0"):
         y, h = fused_add_layer_norm(x, r, None, None, backend="torch")
     assert _cpu_kernels.failure.startswith("OSError")
     with warnings.catch_warnings():

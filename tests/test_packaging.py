@@ -29,9 +29,10 @@ PACKAGE = ROOT / "ln_lightning"
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 # Import name -> the distribution that provides it.
-DISTRIBUTIONS = {"PIL": "pillow", "yaml": "pyyaml"}
+DISTRIBUTIONS = {"PIL": "pillow", "yaml": "pyyaml", "pytorch_lightning": "pytorch-lightning"}
 # Modules allowed to import an optional dependency (the extra that provides it, named in its error).
-OPTIONAL_IMPORTS = {"triton": {"ln_lightning/norm/_triton_ops.py", "ln_lightning/norm/_triton_rms.py"}}
+OPTIONAL_IMPORTS = {"triton": {"ln_lightning/norm/_triton_ops.py", "ln_lightning/norm/_triton_rms.py"},
+                    "pytorch_lightning": {"ln_lightning/pytorch_lightning.py"}}
 
 
 def _pyproject() -> dict:

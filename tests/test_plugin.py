@@ -102,9 +102,11 @@ def test_patch_is_idempotent_and_inactive_without_lnplacement(tmp_path):
 
 
 def test_version_guard():
+    # exactly what CI tests: the latest 2.5.x and 2.6.x (.ci/run)
     assert _lightning_patch.lightning_version_supported("2.6.6")
+    assert _lightning_patch.lightning_version_supported("2.5.6")
     assert not _lightning_patch.lightning_version_supported("2.7.0")
-    assert not _lightning_patch.lightning_version_supported("2.5.1")
+    assert not _lightning_patch.lightning_version_supported("2.4.0")
     assert "ln_lightning.convert" in _lightning_patch._unsupported_version_message("2.7.0")
 
 
@@ -123,7 +125,7 @@ def test_report_logged_once_as_console_and_json_and_checkpoint_records_config(tm
     trainer = _trainer(tmp_path, placement, callbacks=[ckpt])
     assert trainer.callbacks[0] is not placement  # registered at the trainer entry, not at construction
     model = _tiny_lm()
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+    with caplog.at_level(logging.INFO, logger="ln_lightning"):
         trainer.fit(model, h.loader(8), h.loader(4, seed=1))
         trainer.validate(model, h.loader(4, seed=1))
     assert trainer.callbacks[0] is placement
@@ -331,7 +333,7 @@ def test_model_that_needs_no_change_trains_and_the_report_says_so(tmp_path, capl
     placement = LNPlacement("pre", fused=False)
     model = _AlreadyPreLM()
     before = h.full_state(model)
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+    with caplog.at_level(logging.INFO, logger="ln_lightning"):
         _trainer(tmp_path, placement, logger=False).fit(model, h.loader(8))
     assert placement.report is not None and not placement.report.changed
     assert "needed no change" in caplog.text
@@ -357,7 +359,7 @@ class _LazyLM(h.ProbeLM):
 def test_model_built_in_configure_model_is_rewritten_before_optimizers(tmp_path, caplog):
     placement = LNPlacement("pre", fused=False)
     model = _LazyLM()
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+    with caplog.at_level(logging.INFO, logger="ln_lightning"):
         _trainer(tmp_path, placement, logger=False).fit(model, h.loader(8))
     assert "configure_model" not in vars(model)  # the one-shot wrapper removed itself
     assert model.opt_record["marker_present"]

@@ -92,7 +92,7 @@ def test_monitors_under_limit_batches_with_csv_logger_log_scalars_and_say_once_t
     logger = CSVLogger(str(tmp_path))
     trainer = _trainer(tmp_path, callbacks=_monitors(), max_steps=3, limit_train_batches=3, limit_val_batches=0,
                        logger=logger, gradient_clip_val=1.0)
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+    with caplog.at_level(logging.INFO, logger="ln_lightning"):
         trainer.fit(_lm(), h.loader(16))
     text = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()[0]
     for tag in ("stream/rms/model.blocks.0", "ln/var_min/model.blocks.0.ln1", "clip/total_norm"):
@@ -106,7 +106,7 @@ def test_monitors_with_a_logger_without_add_image_and_with_no_logger(tmp_path, c
     _trainer(tmp_path, callbacks=_monitors(), logger=rec, gradient_clip_val=1.0).fit(_lm(), h.loader(16))
     tags = _logged_tags(rec)
     assert {"stream/rms/model.blocks.1", "ln/amp_max/model.blocks.1.ln2", "clip/total_norm"} <= tags
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+    with caplog.at_level(logging.INFO, logger="ln_lightning"):
         _trainer(tmp_path, callbacks=_monitors(), logger=False).fit(_lm(), h.loader(16))
     assert len([r for r in caplog.records if "has no logger" in r.getMessage()]) == 1
 
@@ -139,7 +139,7 @@ def test_model_converted_by_hand_and_another_request_fails_without_claiming_noth
 
     model = _lm()
     convert(model, "pre", branch_scale=0.5)
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+    with caplog.at_level(logging.INFO, logger="ln_lightning"):
         with pytest.raises(ValueError, match=r"branch_scale=0\.5.*asks for .*branch_scale=None"):
             _trainer(tmp_path, [LNPlacement("pre", fused=False)]).fit(model, h.loader(8))
     assert "Nothing changed" not in caplog.text
@@ -150,7 +150,7 @@ def test_model_converted_by_hand_with_the_same_function_trains_and_records_its_r
 
     model = _lm()
     convert(model, "pre", branch_scale=0.5)
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+    with caplog.at_level(logging.INFO, logger="ln_lightning"):
         ck = _fit(tmp_path, model, LNPlacement("pre", branch_scale=0.5, fused=False), logger=CSVLogger(str(tmp_path)))
     assert "Nothing changed" not in caplog.text and "already rewritten" in caplog.text
     assert ck[CHECKPOINT_KEY]["config"] == {"placement": "pre", "final_norm": True, "branch_scale": 0.5}

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Iterable
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+
+from ln_lightning._warnings import info, warn
+
+_log = logging.getLogger(__name__)
 
 # Path components that wrappers insert between a LightningModule and the user's modules.
 _WRAPPER_SEGMENTS = ("_forward_module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -178,7 +182,7 @@ class MonitorBase(Callback):
             from ln_lightning.callbacks.dashboard import DepthProfilePlot  # noqa: PLC0415
             import PIL  # noqa: F401, PLC0415 (TensorBoard's add_image needs it too)
         except ImportError as err:
-            rank_zero_warn(
+            warn(
                 f"{type(self).__name__}: depth-profile images need Pillow ({err}); "
                 "install it or pass log_depth_profile=False. Scalars are still logged."
             )
@@ -200,8 +204,8 @@ class MonitorBase(Callback):
                 else:
                     writer.add_image(tag, self._profile_plot.render(**plot_kwargs), global_step=step, dataformats="HWC")
         except Exception as err:  # an image must never stop training: turn images off, keep the scalars
-            rank_zero_warn(f"{type(self).__name__}: logging the depth-profile image failed ({type(err).__name__}: {err}); "
-                           "images are off for the rest of this run, scalars are still logged.")
+            warn(f"{type(self).__name__}: logging the depth-profile image failed ({type(err).__name__}: {err}); "
+                 "images are off for the rest of this run, scalars are still logged.")
             self.log_depth_profile = False
 
 
@@ -210,7 +214,7 @@ def _say_once(trainer: Trainer, key: str, message: str) -> None:
     said = trainer.__dict__.setdefault("_ln_lightning_said", set())
     if key not in said:
         said.add(key)
-        rank_zero_info(message)
+        info(_log, message)
 
 
 def _image_writers(trainer: Trainer) -> list[Any]:

@@ -8,11 +8,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from ln_lightning.callbacks._common import MonitorBase, discover_blocks, metric_safe, normalize_name
 from ln_lightning.callbacks._reduce import PackedStats, distributed_world
+from ln_lightning import _lightning_patch
+from ln_lightning._warnings import warn
 
 try:  # public since torch 2.5
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -175,6 +176,7 @@ class ClipAttributionMonitor(MonitorBase):
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _lightning_patch.check_same_namespace(trainer, self)
         if stage != "fit":
             return
         self._resolve_every(trainer)
@@ -190,7 +192,7 @@ class ClipAttributionMonitor(MonitorBase):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = type(trainer.strategy).__name__
         if "DeepSpeed" in strategy:
-            rank_zero_warn(
+            warn(
                 "ClipAttributionMonitor does not support DeepSpeed: its gradients live in DeepSpeed's partitioned "
                 "buffers, not in param.grad. The monitor is disabled for this run."
             )
@@ -273,7 +275,7 @@ class ClipAttributionMonitor(MonitorBase):
                     # Partial sums can't be squared locally; make them whole first (rare: not FSDP2/TP's output).
                     if not plan.partial_warned:
                         plan.partial_warned = True
-                        rank_zero_warn("ClipAttributionMonitor: a gradient has Partial placement; redistributing it costs a collective.")
+                        warn("ClipAttributionMonitor: a gradient has Partial placement; redistributing it costs a collective.")
                     g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
                 self._grad_meta(plan, i, g)
                 g = g.to_local()
@@ -313,7 +315,7 @@ class ClipAttributionMonitor(MonitorBase):
             return
         if not pl_module.automatic_optimization and not self._manual_warned:
             self._manual_warned = True
-            rank_zero_warn(
+            warn(
                 "ClipAttributionMonitor under manual optimization sees gradients when optimizer.step() runs, "
                 "after any clipping done in training_step."
             )

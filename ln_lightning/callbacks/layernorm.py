@@ -3,16 +3,20 @@ and how much the norm amplifies."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Sequence
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ln_lightning.callbacks._common import MonitorBase, first_tensor, metric_safe, normalize_name
 from ln_lightning.callbacks._reduce import PackedStats
+from ln_lightning import _lightning_patch
+from ln_lightning._warnings import info, warn
+
+_log = logging.getLogger(__name__)
 
 # SUM columns per norm; the MAX section holds one value per norm: -min(stat). The statistic `stat`
 # is the row variance for a LayerNorm and the row mean square for an RMSNorm.
@@ -124,6 +128,7 @@ class LayerNormInputMonitor(MonitorBase):
         self._n_logs = 0
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _lightning_patch.check_same_namespace(trainer, self)
         if stage != "fit" or self._handles:
             return
         self._resolve_every(trainer)
@@ -159,7 +164,7 @@ class LayerNormInputMonitor(MonitorBase):
             eps = None if eps is None else float(eps)
             targets.append((normalize_name(name, pl_module), module, ndim, eps, isinstance(module, fused_add), kind))
         if unrecognised:
-            rank_zero_warn(
+            warn(
                 "LayerNormInputMonitor: not monitoring these modules named like norms, which were not recognised "
                 f"as LayerNorm or RMSNorm: {'; '.join(unrecognised)}. Pass LayerNorm-like classes as norm_classes."
             )
@@ -172,13 +177,13 @@ class LayerNormInputMonitor(MonitorBase):
             hook = self._make_hook(index, ndim, is_add, kind)
             self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         n_rms = self._kinds.count("rms")
-        rank_zero_info(f"LayerNormInputMonitor: monitoring {len(targets)} norms ({n_rms} RMSNorm)")
+        info(_log, f"LayerNormInputMonitor: monitoring {len(targets)} norms ({n_rms} RMSNorm)")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._handles:
             self._register(pl_module)
             if not self._handles:
-                rank_zero_warn("LayerNormInputMonitor found no LayerNorm modules and will log nothing.")
+                warn("LayerNormInputMonitor found no LayerNorm modules and will log nothing.")
         if self._handles:
             n = len(self.norm_paths)
             self._stats = PackedStats(n * _COLS, n, pl_module.device)
@@ -267,7 +272,7 @@ class LayerNormInputMonitor(MonitorBase):
         metrics["ln/nonfinite_count"] = nonfinite
         self._n_logs += 1
         if over:
-            rank_zero_warn(
+            warn(
                 f"LayerNormInputMonitor at step {step}: input variance near eps, the norm amplifies its input "
                 f"(and gradient) close to its 1/sqrt(eps) bound: {'; '.join(over)}. "
                 "Such a norm is normalising almost-constant rows; consider a larger eps or check the layer feeding it."

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Sequence
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ln_lightning.callbacks._common import MonitorBase, discover_blocks, first_tensor, metric_safe, resolve_paths
 from ln_lightning.callbacks._reduce import PackedStats
+from ln_lightning import _lightning_patch
+from ln_lightning._warnings import info, warn
+
+_log = logging.getLogger(__name__)
 
 # Columns of the per-block SUM rows.
 _SS_OUT, _SS_DELTA, _SS_IN, _NONFINITE, _N_OUT, _N_IN, _N_DELTA = range(7)
@@ -70,6 +74,7 @@ class StreamNormMonitor(MonitorBase):
 
     # -- hooks ------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _lightning_patch.check_same_namespace(trainer, self)
         if stage != "fit" or self._handles:
             return
         self._resolve_every(trainer)
@@ -90,14 +95,14 @@ class StreamNormMonitor(MonitorBase):
             # prepend: see the block's own output, before hooks that post-process it (the final norm
             # convert() adds to a stack is applied by a hook on its last block).
             self._handles.append(module.register_forward_hook(self._make_hook(index, path), with_kwargs=True, prepend=True))
-        rank_zero_info(f"StreamNormMonitor: monitoring {len(targets)} blocks ({source})")
+        info(_log, f"StreamNormMonitor: monitoring {len(targets)} blocks ({source})")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._handles:
             # The model may only exist after configure_model; hooks added now miss a torch.compile done there.
             self._register(pl_module)
             if not self._handles:
-                rank_zero_warn(
+                warn(
                     f"StreamNormMonitor found no residual blocks to monitor ({getattr(self, '_discovery', 'no model')}) and will log nothing. "
                     "Pass the block module paths: StreamNormMonitor(blocks=['model.blocks.0', ...])."
                 )
@@ -143,7 +148,7 @@ class StreamNormMonitor(MonitorBase):
                     row[_NONFINITE] += nonfinite.to(row)
                     if path not in self._shape_warned:
                         self._shape_warned.add(path)
-                        rank_zero_warn(
+                        warn(
                             f"StreamNormMonitor: block {path!r} output shape {tuple(out.shape)} differs from its input "
                             f"({None if inp is None else tuple(inp.shape)}); logging its rms but no update ratio."
                         )

@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+from ln_lightning._warnings import LNLightningWarning, _user_stacklevel
+
 import torch
 
 ENV_VAR = "LN_LIGHTNING_CPU_KERNELS"
@@ -106,8 +108,8 @@ def module() -> Any:
                         f"fused add + LayerNorm on CPU runs on aten's slower, less precise kernels ({failure}). "
                         "Fix: install a C++ compiler and `pip install ninja`; or set "
                         f"{ENV_VAR}=0 to choose aten's kernels and silence this warning.",
-                        RuntimeWarning,
-                        stacklevel=3,
+                        LNLightningWarning,
+                        stacklevel=_user_stacklevel(),
                     )
     return _module
 

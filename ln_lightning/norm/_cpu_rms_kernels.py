@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 
+from ln_lightning._warnings import LNLightningWarning, _user_stacklevel
+
 from . import _cpu_kernels
 
 SOURCE = Path(__file__).parent / "csrc" / "add_rms_norm_cpu.cpp"
@@ -56,8 +58,8 @@ def module() -> Any:
                         f"RMSNorm on CPU runs as a slower composition of aten ops ({failure}). Fix: install a "
                         f"C++ compiler and `pip install ninja`; or set {_cpu_kernels.ENV_VAR}=0 to choose "
                         "aten's ops and silence this warning.",
-                        RuntimeWarning,
-                        stacklevel=3,
+                        LNLightningWarning,
+                        stacklevel=_user_stacklevel(),
                     )
     return _module
 
