@@ -339,8 +339,10 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
         change.status, change.reason = "skipped", reason
         return change
     probe = captured if captured is not None else h.probe_args(synthetic_probe(h.block, h.stream_dim())[0][0])
-    # A fresh copy for every run: a KV cache among the arguments is written by each call.
-    fresh = lambda: copy.deepcopy(probe)  # noqa: E731
+    # A fresh copy for every run: a KV cache among the arguments is written by each call. Tensors
+    # passed directly are never written by a forward: they are shared, not copied.
+    shared = {id(v): v for v in (*probe[0], *probe[1].values()) if isinstance(v, torch.Tensor)}
+    fresh = lambda: copy.deepcopy(probe, dict(shared))  # noqa: E731
     args, kwargs = fresh()
     y_before = observed  # the block's stream output in the recorded forward, when there was one
     if y_before is None:
