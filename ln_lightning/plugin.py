@@ -288,7 +288,16 @@ class LNPlacement(LayerSync, Callback):
         resume_unconverted: let ``ckpt_path`` load a checkpoint written *without* the rewrite (no placement
             marker: a plugin-less post-norm run) into the rewritten model. Off by default: those weights were
             trained for another function, so such a checkpoint is refused at the start. On, it loads them
-            and warns what that means (parameters the rewrite added keep their fresh values).
+            and warns what that means (parameters the rewrite added keep their fresh values). With
+            ``transition_steps`` this is how a plugin-less post-norm run continues as pre-norm: the resumed model
+            computes exactly the checkpoint's function and the transition starts at the checkpoint's step.
+        transition_steps: ``None`` (the rewrite takes effect at once), or ``N``: a function-preserving transition
+            (``ln_lightning.placement.transition``). At fit start the model computes exactly the post-norm function
+            it had; over the next ``N`` optimizer steps a blend moves it to pre-norm (read from
+            ``trainer.global_step`` before each step, so a resumed run continues at the same point; logged as
+            ``ln_placement/transition``); after step ``N`` the transition machinery is removed and the model is
+            exactly what ``convert(model, "pre", ...)`` gives. The blend is a buffer in every checkpoint.
+        transition_schedule: ``"linear"`` (blend = t) or ``"cosine"`` (blend = (1 - cos(pi t)) / 2), t = step / N.
 
     A model that is already rewritten (by an earlier ``LNPlacement`` or by ``convert``) is trained as it
     is when this ``LNPlacement`` asks for the same function (the configuration the model computes is what
@@ -330,6 +339,8 @@ class LNPlacement(LayerSync, Callback):
         layer_sync: LayerSync | None = None,
         log_report: bool = True,
         resume_unconverted: bool = False,
+        transition_steps: int | None = None,
+        transition_schedule: str = "linear",
     ):
         for name, value in (("final_norm", final_norm), ("fused", fused), ("strict", strict),
                             ("sync_batchnorm", sync_batchnorm), ("log_report", log_report),
@@ -350,7 +361,18 @@ class LNPlacement(LayerSync, Callback):
             validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init)
         except PlacementError as err:
             raise PlacementError(f"LNPlacement: {err}") from None
+        if transition_steps is not None:
+            from ln_lightning.placement.transition import SCHEDULES
+
+            if isinstance(transition_steps, bool) or not isinstance(transition_steps, int) or transition_steps < 1:
+                raise ValueError(f"LNPlacement: transition_steps must be a positive int (optimizer steps) or None, got {transition_steps!r}.")
+            if placement != "pre":
+                raise ValueError("LNPlacement: transition_steps moves a post-norm model to pre-norm; it needs placement='pre'.")
+            if transition_schedule not in SCHEDULES:
+                raise ValueError(f"LNPlacement: unknown transition_schedule {transition_schedule!r}; valid: {', '.join(map(repr, SCHEDULES))}.")
         _lightning_patch.install()
+        self.transition_steps = transition_steps
+        self.transition_schedule = transition_schedule
         self.placement = placement
         self.final_norm = final_norm
         self.branch_scale = float(branch_scale) if isinstance(branch_scale, (int, float)) else branch_scale
@@ -439,12 +461,19 @@ class LNPlacement(LayerSync, Callback):
             rewrite_record.record(model, self.config, [b.path for b in report.converted], added=report.added, owners=owners)
         self.report = report
         self._report_pending = True
+        if self.transition_steps is not None and report.changed:
+            from ln_lightning.placement import transition
+
+            transition.start(model, report, steps=self.transition_steps, schedule_kind=self.transition_schedule)
         return report
 
     def _adopt(self, model: nn.Module, existing: dict, source: str) -> None:
         """A model rewritten before: refuse a request for another function, else record what it computes."""
         reason = _difference(existing, self.config, model, rewrite_record.recorded_added(model))
         how = "recorded on the model" if source == "recorded" else "read from its structure: rewritten by convert()"
+        if reason is None and self.transition_steps is not None and not self._transition_known(model):
+            reason = ("transition_steps needs the post-norm model to start from, but this one computes pre-norm already "
+                      "(no transition under way)")
         if reason is not None:
             raise ValueError(
                 f"LNPlacement: this model was already rewritten to ({_fmt(existing)}) ({how}), but this LNPlacement "
@@ -466,6 +495,12 @@ class LNPlacement(LayerSync, Callback):
                    f" Its norms stay {'fused' if _uses_fused(model) else 'torch.nn.LayerNorm'} (fused={self.fused} "
                    "applies to the models this plugin rewrites).")
             )
+
+    @staticmethod
+    def _transition_known(model: nn.Module) -> bool:
+        from ln_lightning.placement import transition
+
+        return transition.active(model) is not None or model.__dict__.get("_ln_lightning_transition_finished", False)
 
     def _check_scale_applies(self, model: nn.Module) -> None:
         # convert scales a branch only when it moves the branch's norm: a block already pre-norm keeps
@@ -493,6 +528,7 @@ class LNPlacement(LayerSync, Callback):
         owners = rewrite_record.marker_owners(module)
         if not isinstance(state, dict) or not owners:
             return
+        transition_fill = self._transition_before_load(module, state)
         missing = []
         for name, _ in owners:
             prefix = f"{name}." if name else ""
@@ -512,7 +548,7 @@ class LNPlacement(LayerSync, Callback):
                 "the rewritten model on purpose, pass LNPlacement(..., resume_unconverted=True)."
             )
         own = module.state_dict()
-        for key in missing:
+        for key in missing + transition_fill:
             state[key] = own[key].detach().cpu().clone()
         added = rewrite_record.recorded_added(module) or []
         fresh = [k for k in own if k not in state and any(k == a or k.startswith(a + ".") for a in added)]
@@ -521,11 +557,31 @@ class LNPlacement(LayerSync, Callback):
         rank_zero_warn(
             f"LNPlacement(resume_unconverted=True): {where} was written without the placement rewrite; its weights are "
             f"loaded into the model rewritten to ({_fmt(config or {})}), which computes "
-            f"{(config or {}).get('placement')}-norm with them from the first step, not the function they were "
-            "trained for."
+            + (f"exactly their own post-norm function at the resume and moves to pre-norm over the next "
+               f"{self.transition_steps} optimizer steps (transition_steps); the optimizer state of existing parameters "
+               "is kept." if transition_fill else
+               f"{(config or {}).get('placement')}-norm with them from the first step, not the function they were "
+               "trained for.")
             + (f" Parameters the rewrite added keep their fresh values ({', '.join(fresh)}); the checkpoint's "
                "optimizer state has no entries for them, so resuming the optimizer can fail." if fresh else "")
         )
+
+    def _transition_before_load(self, module: nn.Module, state: dict) -> list[str]:
+        """A transition under way meets a checkpoint: the keys to fill from the model (a plugin-less checkpoint:
+        the transition starts at its step), or none. A rewritten model's checkpoint without the transition's
+        buffers was written after the transition ended: the model ends it too before the load."""
+        from ln_lightning.placement import transition
+
+        if transition.active(module) is None:
+            return []
+        keys = [k for k in module.state_dict() if k.startswith(transition.ATTR + ".")]
+        if all(k in state for k in keys):
+            return []
+        if any(k.rpartition(".")[2] == MARKER for k in state):
+            transition.finish(module)
+            module.__dict__["_ln_lightning_transition_finished"] = True
+            return []
+        return keys if self.resume_unconverted else []
 
     def _check_strategy(self, strategy: Strategy) -> None:
         if type(strategy) in SUPPORTED_STRATEGIES:
@@ -567,6 +623,36 @@ class LNPlacement(LayerSync, Callback):
                 )
                 return
         self._announce(trainer, stage, needs_rewrite)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """The transition's blend for this optimizer step, from `trainer.global_step` (the same on every rank)."""
+        from ln_lightning.placement import transition
+
+        t = transition.active(pl_module)
+        if t is None or self.transition_steps is None:
+            return
+        a = transition.step_blend(t, trainer.global_step)
+        if a >= 1.0:
+            self._finish_transition(pl_module)  # a run resumed past the transition's end
+        else:
+            t.blend.fill_(a)
+        pl_module.log("ln_placement/transition", a, on_step=True, on_epoch=False)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        from ln_lightning.placement import transition
+
+        t = transition.active(pl_module)
+        if t is not None and self.transition_steps is not None and int(t.start_step) >= 0:
+            if transition.step_blend(t, trainer.global_step) >= 1.0:  # step N done: plain pre-norm from here on
+                self._finish_transition(pl_module)
+
+    def _finish_transition(self, pl_module: LightningModule) -> None:
+        from ln_lightning.placement import transition
+
+        transition.finish(pl_module)
+        pl_module.__dict__["_ln_lightning_transition_finished"] = True
+        rank_zero_info(f"LNPlacement: transition to pre-norm finished after {self.transition_steps} steps; the model is "
+                       "now exactly its pre-norm rewrite.")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if _is_guard(vars(pl_module).get("on_load_checkpoint")):  # no ckpt_path was loaded: remove the one-shot guard
@@ -754,6 +840,10 @@ def load_converted(
     except (TypeError, ValueError) as err:
         raise ValueError(f"load_converted: {path} records a placement configuration LNPlacement can't build: {err}") from None
     placement.rewrite(model)
+    from ln_lightning.placement import transition
+
+    if any(k.startswith(transition.ATTR + ".") for k in state_dict):  # written mid-transition: restore its blend
+        transition.start(model, placement.report)
     if isinstance(model, LightningModule):
         model.on_load_checkpoint(checkpoint)
     model.load_state_dict(state_dict, strict=strict)
