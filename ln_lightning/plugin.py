@@ -554,6 +554,9 @@ class LNPlacement(LayerSync, Callback):
         fresh = [k for k in own if k not in state and any(k == a or k.startswith(a + ".") for a in added)]
         for key in fresh:
             state[key] = own[key].detach().cpu().clone()
+        fresh_params = [k for k in fresh if k in dict(module.named_parameters())]
+        if fresh_params and isinstance(checkpoint.get("optimizer_states"), list):
+            self._optimizer_remap = (checkpoint, fresh_params)  # done at on_fit_start, once the optimizers exist
         rank_zero_warn(
             f"LNPlacement(resume_unconverted=True): {where} was written without the placement rewrite; its weights are "
             f"loaded into the model rewritten to ({_fmt(config or {})}), which computes "
@@ -562,9 +565,16 @@ class LNPlacement(LayerSync, Callback):
                "is kept." if transition_fill else
                f"{(config or {}).get('placement')}-norm with them from the first step, not the function they were "
                "trained for.")
-            + (f" Parameters the rewrite added keep their fresh values ({', '.join(fresh)}); the checkpoint's "
-               "optimizer state has no entries for them, so resuming the optimizer can fail." if fresh else "")
+            + (f" Parameters the rewrite added keep their fresh values ({', '.join(fresh)})"
+               + ("; they start with fresh optimizer state, the existing parameters keep theirs." if fresh_params else ".")
+               if fresh else "")
         )
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After configure_optimizers, before Lightning restores the optimizer state from the checkpoint.
+        remap, self._optimizer_remap = getattr(self, "_optimizer_remap", None), None
+        if remap is not None:
+            _remap_optimizer_states(remap[0], trainer.optimizers, pl_module, set(remap[1]))
 
     def _transition_before_load(self, module: nn.Module, state: dict) -> list[str]:
         """A transition under way meets a checkpoint: the keys to fill from the model (a plugin-less checkpoint:
@@ -728,6 +738,39 @@ class LNPlacement(LayerSync, Callback):
         if self.layer_sync is not None:
             model = self.layer_sync.revert(model)
         return model
+
+
+def _remap_optimizer_states(checkpoint: dict, optimizers: list, module: nn.Module, added: set[str]) -> None:
+    """Make a plugin-less checkpoint's optimizer states fit optimizers that also hold the parameters the rewrite
+    added: the saved states keep their parameters (in the order the same configure_optimizers gave them without
+    the added ones), the added parameters get none (fresh). Refuses when the groups don't line up that way."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    for k, (opt, saved) in enumerate(zip(optimizers, checkpoint["optimizer_states"])):
+        groups = saved.get("param_groups", [])
+        if sum(len(g["params"]) for g in groups) == sum(len(g["params"]) for g in opt.param_groups):
+            continue  # this optimizer holds none of the added parameters
+        kept = [[p for p in g["params"] if names.get(id(p)) not in added] for g in opt.param_groups]
+        if len(groups) != len(opt.param_groups) or any(len(a) != len(g["params"]) for a, g in zip(kept, groups)):
+            raise RuntimeError(
+                f"LNPlacement(resume_unconverted=True): the checkpoint's optimizer {k} has parameter groups of sizes "
+                f"{[len(g['params']) for g in groups]}, which are not this optimizer's groups "
+                f"{[len(g['params']) for g in opt.param_groups]} without the parameters the rewrite added "
+                f"({', '.join(sorted(added))}). Build the optimizer from self.parameters() (or groups that differ only "
+                "by those), or pass LNPlacement(final_norm=False, branch_scale=None) so the rewrite adds no parameters."
+            )
+        state, new_state, new_groups, index = saved.get("state", {}), {}, [], 0
+        for g_new, g_old in zip(opt.param_groups, groups):
+            old_ids = iter(g_old["params"])
+            ids = []
+            for p in g_new["params"]:
+                if names.get(id(p)) not in added:
+                    old = next(old_ids)
+                    if old in state:
+                        new_state[index] = state[old]
+                ids.append(index)
+                index += 1
+            new_groups.append({**g_old, "params": ids})
+        saved["state"], saved["param_groups"] = new_state, new_groups
 
 
 def _read_checkpoint(path: Path, map_location: Any) -> dict:

@@ -334,3 +334,64 @@ def test_plugin_resume_after_the_transition_ended(tmp_path):
     rec = BlendRecorder()
     trainer(tmp_path, plugin(), max_steps=5, callbacks=[rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
     assert rec.blends == [None, None] and transition.leftovers(resumed) == []
+
+
+# ---------------------------------------------------------------------------------------------- continuation
+class ResumeProbe(Callback):
+    """At the first step after the resume: the step, the loss on a fixed batch, the optimizer and scheduler state."""
+
+    def __init__(self, x):
+        self.x = x
+        self.seen = None
+
+    def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
+        if self.seen is None:
+            opt = trainer.optimizers[0]
+            self.seen = {
+                "step": trainer.global_step,
+                "blend": transition.get_blend(pl_module),
+                "loss": loss_of(pl_module, self.x),
+                "exp_avg": {n: opt.state[p]["exp_avg"].clone() for n, p in pl_module.named_parameters() if p in opt.state},
+                "sched": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+            }
+
+
+@pytest.mark.parametrize("final_norm", [True, False])
+def test_plugin_less_checkpoint_continues_as_pre_norm(final_norm, tmp_path):
+    s = 3
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=s, save_top_k=-1)
+    trainer(tmp_path, None, max_steps=s, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    saved = torch.load(path, weights_only=False)
+    plain = LM("demo", seed=5)
+    plain.load_state_dict(saved["state_dict"])
+    x = batch(7)
+    before = loss_of(plain, x)
+
+    resumed = LM("demo", seed=5)
+    probe = ResumeProbe(x)
+    rec = BlendRecorder()
+    plugin = LNPlacement("pre", transition_steps=4, resume_unconverted=True, final_norm=final_norm, fused=False, log_report=False)
+    with pytest.warns(UserWarning, match="exactly their own post-norm function"):
+        trainer(tmp_path, plugin, max_steps=s + 5, callbacks=[probe, rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
+    seen = probe.seen
+    assert seen["step"] == s and seen["blend"] == 0.0
+    assert abs(seen["loss"] - before) <= 1e-6 * abs(before)
+    assert seen["sched"] == saved["lr_schedulers"][0]["last_epoch"]
+    # The optimizer state of every existing parameter is the checkpoint's (AdamW lists them in module order).
+    old_names = [n for n, _ in plain.named_parameters()]
+    saved_state = saved["optimizer_states"][0]["state"]
+    for i, name in enumerate(old_names):
+        assert torch.equal(seen["exp_avg"][name], saved_state[i]["exp_avg"]), name
+    assert set(seen["exp_avg"]) == set(old_names)  # added parameters start fresh
+    assert rec.blends == [0.0, 0.25, 0.5, 0.75, None]  # the transition starts at the checkpoint's step
+    assert transition.leftovers(resumed) == []
+
+
+def test_plugin_less_checkpoint_without_the_opt_in_is_refused(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1)
+    trainer(tmp_path, None, max_steps=2, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    with pytest.raises(RuntimeError, match="resume_unconverted=True"):
+        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=4).fit(
+            LM("demo"), train_dataloaders=loader(), ckpt_path=path)
