@@ -395,3 +395,40 @@ def test_plugin_less_checkpoint_without_the_opt_in_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="resume_unconverted=True"):
         trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=4).fit(
             LM("demo"), train_dataloaders=loader(), ckpt_path=path)
+
+
+# ---------------------------------------------------------------------------------------------- ddp_spawn
+class BlendFile(Callback):
+    """Each rank writes the blend of every step it ran (the callback is pickled into the spawned workers)."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.blends: list = []
+
+    def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
+        self.blends.append([trainer.global_step, transition.get_blend(pl_module)])
+
+    def on_train_end(self, trainer, pl_module):
+        import json
+
+        Path(self.out, f"blends_rank{trainer.global_rank}.json").write_text(json.dumps(self.blends))
+
+
+@pytest.mark.slow
+def test_ddp_spawn_every_rank_has_the_same_blend(tmp_path):
+    import json
+
+    from _helpers_dist import DestroyProcessGroupAtExit
+
+    module = LM("demo")
+    t = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=5, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+                default_root_dir=tmp_path, plugins=[LNPlacement("pre", transition_steps=3, fused=False, log_report=False)],
+                callbacks=[BlendFile(str(tmp_path)), DestroyProcessGroupAtExit()])
+    t.fit(module, train_dataloaders=loader())
+    ranks = [json.loads(Path(tmp_path, f"blends_rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731 - the blend is a float32 buffer
+    assert ranks[0] == [[0, 0.0], [1, f32(1 / 3)], [2, f32(2 / 3)], [3, None], [4, None]]
+    # The main process got rank 0's weights (transition over) and ended its own transition with them.
+    assert transition.active(module) is None and transition.leftovers(module) == []
