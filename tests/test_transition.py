@@ -432,3 +432,24 @@ def test_ddp_spawn_every_rank_has_the_same_blend(tmp_path):
     assert ranks[0] == [[0, 0.0], [1, f32(1 / 3)], [2, f32(2 / 3)], [3, None], [4, None]]
     # The main process got rank 0's weights (transition over) and ended its own transition with them.
     assert transition.active(module) is None and transition.leftovers(module) == []
+
+
+def test_blend_is_logged_and_validate_uses_it(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = LM("demo", lr=0.0)
+    unconverted = copy.deepcopy(module.model)
+    t = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
+                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                limit_val_batches=0, plugins=[LNPlacement("pre", transition_steps=4, fused=False, log_report=False)])
+    t.fit(module, train_dataloaders=loader())
+    import csv
+
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    assert [float(r["ln_placement/transition"]) for r in rows if r.get("ln_placement/transition")] == [0.0, 0.25]
+    # Stopped mid-transition: the model keeps the blend of its last step (0.25), in eval too.
+    assert transition.get_blend(module) == 0.25
+    x = batch(3)
+    assert rel(module.model.eval()(x), unconverted(x)) > 1e-4  # not the post-norm function any more
+    transition.set_blend(module, 0.0)
+    assert torch.equal(module.model(x), unconverted.eval()(x))
