@@ -453,3 +453,20 @@ def test_blend_is_logged_and_validate_uses_it(tmp_path):
     assert rel(module.model.eval()(x), unconverted(x)) > 1e-4  # not the post-norm function any more
     transition.set_blend(module, 0.0)
     assert torch.equal(module.model(x), unconverted.eval()(x))
+
+
+def test_x_transformers_slot_final_norm_blends():
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    model = xt.Encoder(dim=16, depth=2, heads=2, pre_norm=False)
+    x = torch.randn(2, 5, 16)
+    post = model(x)
+    ref = copy.deepcopy(model)
+    convert(ref, "pre", example_input=x)
+    report = transition.begin(model, example_input=x)
+    assert report.added == ["final_norm"]
+    assert torch.equal(model(x), post)
+    transition.set_blend(model, 1.0)
+    assert rel(model(x), ref(x)) <= 1e-6
+    transition.finish(model)
+    assert transition.leftovers(model) == [] and torch.equal(model(x), ref(x))
