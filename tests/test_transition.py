@@ -470,3 +470,21 @@ def test_x_transformers_slot_final_norm_blends():
     assert rel(model(x), ref(x)) <= 1e-6
     transition.finish(model)
     assert transition.leftovers(model) == [] and torch.equal(model(x), ref(x))
+
+
+def test_transition_steps_on_a_model_already_converted_is_refused(tmp_path):
+    module = LM("demo")
+    convert(module, "pre")
+    with pytest.raises(ValueError, match="transition_steps needs the post-norm model"):
+        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=1).fit(
+            module, train_dataloaders=loader())
+
+
+def test_gradient_accumulation_keeps_one_blend_per_optimizer_step(tmp_path):
+    rec = BlendRecorder()
+    module = LM("demo")
+    x = batch(1)
+    dl = DataLoader(TensorDataset(torch.cat([x, x]), torch.roll(torch.cat([x, x]), -1, dims=1)), batch_size=4)
+    trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False), max_steps=3, callbacks=[rec],
+            accumulate_grad_batches=2).fit(module, train_dataloaders=dl)
+    assert rec.blends == [0.0, 0.0, 0.5, 0.5, None, None]
