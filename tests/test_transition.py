@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ln_lightning.demo import PostNormTransformerLM  # noqa: E402
-from ln_lightning.demo.lightning import CharLM  # noqa: E402
-from ln_lightning.placement import PlacementError, convert, transition  # noqa: E402
-from ln_lightning.plugin import LNPlacement, load_converted  # noqa: E402
+from ln_lightning.demo import PostNormTransformerLM
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.placement import PlacementError, convert, transition
+from ln_lightning.plugin import LNPlacement, load_converted
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16)
 SEQ = 16
@@ -150,7 +150,7 @@ def test_gradients_at_0_are_the_post_norm_gradients():
     post = copy.deepcopy(model)
     x = batch()
     transition.begin(model)
-    loss_of_grad = lambda m: F.cross_entropy(m(x).reshape(-1, TINY["vocab_size"]), x.reshape(-1))  # noqa: E731
+    loss_of_grad = lambda m: F.cross_entropy(m(x).reshape(-1, TINY["vocab_size"]), x.reshape(-1))
     loss_of_grad(model).backward()
     loss_of_grad(post).backward()
     gm = dict(model.named_parameters())
@@ -299,7 +299,7 @@ def test_plugin_trained_weights_end_as_their_pre_norm_rewrite(kind, tmp_path):
 
 def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
     n, total = 4, 6
-    plugin = lambda: LNPlacement("pre", transition_steps=n, fused=False, log_report=False)  # noqa: E731
+    plugin = lambda: LNPlacement("pre", transition_steps=n, fused=False, log_report=False)
     straight = LM("demo")
     trainer(tmp_path / "a", plugin(), max_steps=total).fit(straight, train_dataloaders=loader())
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=n // 2, save_top_k=-1)
@@ -325,7 +325,7 @@ def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
 
 def test_plugin_resume_after_the_transition_ended(tmp_path):
     n = 2
-    plugin = lambda: LNPlacement("pre", transition_steps=n, fused=False, log_report=False)  # noqa: E731
+    plugin = lambda: LNPlacement("pre", transition_steps=n, fused=False, log_report=False)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
     trainer(tmp_path, plugin(), max_steps=3, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
     path = next((tmp_path / "ck").glob("*.ckpt"))
@@ -428,7 +428,7 @@ def test_ddp_spawn_every_rank_has_the_same_blend(tmp_path):
     t.fit(module, train_dataloaders=loader())
     ranks = [json.loads(Path(tmp_path, f"blends_rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731 - the blend is a float32 buffer
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()
     assert ranks[0] == [[0, 0.0], [1, f32(1 / 3)], [2, f32(2 / 3)], [3, None], [4, None]]
     # The main process got rank 0's weights (transition over) and ended its own transition with them.
     assert transition.active(module) is None and transition.leftovers(module) == []

@@ -364,4 +364,4 @@ def step_blend(t: Transition, global_step: int) -> float:
     return schedule((global_step - int(t.start_step)) / t.steps, t.kind)
 
 
-__all__ = ["begin", "start", "set_blend", "get_blend", "finish", "active", "schedule", "leftovers", "Transition", "SCHEDULES"]
+__all__ = ["SCHEDULES", "Transition", "active", "begin", "finish", "get_blend", "leftovers", "schedule", "set_blend", "start"]
