@@ -373,6 +373,7 @@ class LNPlacement(LayerSync, Callback):
         _lightning_patch.install()
         self.transition_steps = transition_steps
         self.transition_schedule = transition_schedule
+        self._schedule_checked = False
         self.placement = placement
         self.final_norm = final_norm
         self.branch_scale = float(branch_scale) if isinstance(branch_scale, (int, float)) else branch_scale
@@ -641,6 +642,9 @@ class LNPlacement(LayerSync, Callback):
         t = transition.active(pl_module)
         if t is None or self.transition_steps is None:
             return
+        if batch_idx == 0 or not self._schedule_checked:
+            transition.check_schedule(t, self.transition_steps, self.transition_schedule)
+            self._schedule_checked = True
         a = transition.step_blend(t, trainer.global_step)
         if a >= 1.0:
             self._finish_transition(pl_module)  # a run resumed past the transition's end

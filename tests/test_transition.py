@@ -317,6 +317,9 @@ def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
     rec = BlendRecorder()
     trainer(tmp_path / "c", plugin(), max_steps=total, callbacks=[rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
     assert rec.blends == [0.5, 0.75, None, None]
+    with pytest.raises(PlacementError, match="transition_steps=4.*not transition_steps=5"):
+        trainer(tmp_path / "d", LNPlacement("pre", transition_steps=5, fused=False, log_report=False), max_steps=total).fit(
+            LM("demo"), train_dataloaders=loader(), ckpt_path=path)
     a, b = straight.state_dict(), resumed.state_dict()
     assert list(a) == list(b)
     for k in a:

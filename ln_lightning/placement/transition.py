@@ -80,6 +80,9 @@ class Transition(nn.Module):
         self.register_buffer("blend", torch.zeros((), dtype=torch.float32, device=device), persistent=True)
         # The optimizer step the schedule started at (-1: not yet); a resumed run continues from it.
         self.register_buffer("start_step", torch.full((), -1, dtype=torch.int64, device=device), persistent=True)
+        # The schedule itself (steps, index in SCHEDULES; -1: none), so a resume with another one is caught.
+        self.register_buffer("schedule", torch.tensor([steps or -1, SCHEDULES.index(kind)], dtype=torch.int64, device=device),
+                             persistent=True)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         if self.__dict__.get("_source_finished"):
@@ -355,6 +358,18 @@ def leftovers(model: nn.Module) -> list[str]:
                                       for h in d.values())):
             out.append(path or "<root>")
     return out
+
+
+def check_schedule(t: Transition, steps: int, kind: str) -> None:
+    """Refuse to go on with another schedule than the one the transition (perhaps from a checkpoint) ran with:
+    the blend would jump, changing the function between two steps."""
+    saved_steps, saved_kind = (int(v) for v in t.schedule.tolist())
+    if saved_steps > 0 and (saved_steps, SCHEDULES[saved_kind]) != (steps, kind):
+        raise PlacementError(
+            f"this transition ran with transition_steps={saved_steps}, transition_schedule={SCHEDULES[saved_kind]!r} (recorded "
+            f"in the model and its checkpoints), not transition_steps={steps}, transition_schedule={kind!r}: continuing with "
+            "another schedule would make the blend jump. Resume with the recorded values."
+        )
 
 
 def step_blend(t: Transition, global_step: int) -> float:
