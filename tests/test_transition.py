@@ -491,3 +491,69 @@ def test_gradient_accumulation_keeps_one_blend_per_optimizer_step(tmp_path):
     trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False), max_steps=3, callbacks=[rec],
             accumulate_grad_batches=2).fit(module, train_dataloaders=dl)
     assert rec.blends == [0.0, 0.0, 0.5, 0.5, None, None]
+
+
+def test_bf16_blend_is_exact_at_both_ends():
+    model = make("demo").to(torch.bfloat16)
+    x = batch()
+    post = model(x)
+    ref = copy.deepcopy(model)
+    convert(ref, "pre")
+    transition.begin(model)
+    assert model(x).dtype == torch.bfloat16 and torch.equal(model(x), post)
+    transition.set_blend(model, 1.0)
+    assert torch.equal(model(x), ref(x))
+
+
+# ---------------------------------------------------------------------------------------------- ddp / FSDP2 (scripts)
+class MPLM(LM):
+    """LM for ModelParallelStrategy: FSDP2 `fully_shard` in configure_model (after the rewrite)."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        if any(hasattr(p, "full_tensor") for p in self.parameters()):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def _script(mode: str, out: str) -> None:
+    """Run as `python tests/test_transition.py MODE OUT` (ddp and ModelParallelStrategy re-run the command line)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from _helpers_dist import DestroyProcessGroupAtExit
+
+    torch.set_num_threads(1)
+    strategy = "ddp" if mode == "ddp" else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    module = LM("demo") if mode == "ddp" else MPLM("demo")
+    t = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+                default_root_dir=out, plugins=[LNPlacement("pre", transition_steps=3, fused=False, log_report=False)],
+                callbacks=[BlendFile(out), DestroyProcessGroupAtExit()])
+    t.fit(module, train_dataloaders=loader())
+    import json
+
+    Path(out, f"left_rank{t.global_rank}.json").write_text(json.dumps(transition.leftovers(module)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_ddp_and_fsdp2_every_rank_has_the_same_blend(mode, tmp_path):
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, __file__, mode, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads(Path(tmp_path, f"blends_rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1] and [b for _, b in ranks[0]][-2:] == [None, None] and ranks[0][0] == [0, 0.0]
+    assert all(json.loads(Path(tmp_path, f"left_rank{r}.json").read_text()) == [] for r in range(2))
+
+
+if __name__ == "__main__":
+    _script(sys.argv[1], sys.argv[2])
