@@ -557,3 +557,14 @@ def test_ddp_and_fsdp2_every_rank_has_the_same_blend(mode, tmp_path):
 
 if __name__ == "__main__":
     _script(sys.argv[1], sys.argv[2])
+
+
+def test_dashboard_shows_the_transition_next_to_the_stream_charts(tmp_path):
+    from ln_lightning.callbacks import StreamNormMonitor
+    from ln_lightning.callbacks.dashboard import monitor_layout
+
+    t = trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), callbacks=[StreamNormMonitor()])
+    stream = monitor_layout(t)["ln-lightning: residual stream"]
+    assert stream["placement transition (0 post-norm, 1 pre-norm)"] == ["Multiline", ["ln_placement/transition"]]
+    plain = trainer(tmp_path, LNPlacement("pre", fused=False, log_report=False), callbacks=[StreamNormMonitor()])
+    assert not any("transition" in title for cat in monitor_layout(plain).values() for title in cat)
