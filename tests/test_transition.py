@@ -568,3 +568,23 @@ def test_dashboard_shows_the_transition_next_to_the_stream_charts(tmp_path):
     assert stream["placement transition (0 post-norm, 1 pre-norm)"] == ["Multiline", ["ln_placement/transition"]]
     plain = trainer(tmp_path, LNPlacement("pre", fused=False, log_report=False), callbacks=[StreamNormMonitor()])
     assert not any("transition" in title for cat in monitor_layout(plain).values() for title in cat)
+
+
+def test_stream_monitor_sees_the_transition(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ln_lightning.callbacks import StreamNormMonitor
+
+    module = LM("demo", lr=0.0)
+    t = Trainer(accelerator="cpu", devices=1, max_steps=4, logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
+                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                limit_val_batches=0, plugins=[LNPlacement("pre", transition_steps=2, fused=False, log_report=False)],
+                callbacks=[StreamNormMonitor(every_n_steps=1, log_depth_profile=False)])
+    t.fit(module, train_dataloaders=loader())
+    rows = [r for r in csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()) if r.get("stream/rms/model.blocks.1")]
+    rms = [float(r["stream/rms/model.blocks.1"]) for r in rows]
+    assert len(rms) == 4
+    # Blend 0: the block's output is its LayerNorm's (weight 1, bias 0): rms 1. Pre-norm after step 2: the raw stream.
+    assert abs(rms[0] - 1.0) < 1e-3 and abs(rms[3] - 1.0) > 1e-2 and rms[1] != rms[0]
