@@ -669,6 +669,7 @@ class LNPlacement(LayerSync, Callback):
                        "now exactly its pre-norm rewrite.")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._optimizer_remap = None  # a checkpoint loaded by validate/test is not the next fit's
         if _is_guard(vars(pl_module).get("on_load_checkpoint")):  # no ckpt_path was loaded: remove the one-shot guard
             del pl_module.on_load_checkpoint
 
