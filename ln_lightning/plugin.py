@@ -584,6 +584,16 @@ class LNPlacement(LayerSync, Callback):
         from ln_lightning.placement import transition
 
         if transition.active(module) is None:
+            sched = state.get(transition.ATTR + ".schedule")
+            if sched is not None:
+                steps, kind = (int(v) for v in sched.tolist())
+                raise RuntimeError(
+                    f"LNPlacement: the checkpoint was written during a post->pre transition (blend "
+                    f"{float(state.get(transition.ATTR + '.blend', float('nan'))):.4g}), but this LNPlacement has no "
+                    f"transition_steps, so its model would compute another function with those weights. Pass "
+                    f"LNPlacement(..., transition_steps={steps}, transition_schedule={transition.SCHEDULES[kind]!r}) "
+                    "(the values it records)."
+                )
             return []
         keys = [k for k in module.state_dict() if k.startswith(transition.ATTR + ".")]
         if all(k in state for k in keys):

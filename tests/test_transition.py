@@ -313,6 +313,14 @@ def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
     loaded = load_converted(LM("demo"), path)
     assert transition.get_blend(loaded) == 0.25
     assert rel(loaded.model(batch(3)), first.model.eval()(batch(3))) <= 1e-6
+    # validate(ckpt_path) on a fresh model runs the checkpoint's blend; without transition_steps it is refused.
+    evaluated = LM("demo")
+    Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            plugins=[plugin()]).validate(evaluated, dataloaders=loader(), ckpt_path=path)
+    assert transition.get_blend(evaluated) == 0.25
+    with pytest.raises(RuntimeError, match="during a post->pre transition.*transition_steps=4, transition_schedule='linear'"):
+        Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                plugins=[LNPlacement("pre", fused=False, log_report=False)]).validate(LM("demo"), dataloaders=loader(), ckpt_path=path)
     resumed = LM("demo")
     rec = BlendRecorder()
     trainer(tmp_path / "c", plugin(), max_steps=total, callbacks=[rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
