@@ -288,7 +288,16 @@ class LNPlacement(LayerSync, Callback):
         resume_unconverted: let ``ckpt_path`` load a checkpoint written *without* the rewrite (no placement
             marker: a plugin-less post-norm run) into the rewritten model. Off by default: those weights were
             trained for another function, so such a checkpoint is refused at the start. On, it loads them
-            and warns what that means (parameters the rewrite added keep their fresh values).
+            and warns what that means (parameters the rewrite added keep their fresh values). With
+            ``transition_steps`` this is how a plugin-less post-norm run continues as pre-norm: the resumed model
+            computes exactly the checkpoint's function and the transition starts at the checkpoint's step.
+        transition_steps: ``None`` (the rewrite takes effect at once), or ``N``: a function-preserving transition
+            (``ln_lightning.placement.transition``). At fit start the model computes exactly the post-norm function
+            it had; over the next ``N`` optimizer steps a blend moves it to pre-norm (read from
+            ``trainer.global_step`` before each step, so a resumed run continues at the same point; logged as
+            ``ln_placement/transition``); after step ``N`` the transition machinery is removed and the model is
+            exactly what ``convert(model, "pre", ...)`` gives. The blend is a buffer in every checkpoint.
+        transition_schedule: ``"linear"`` (blend = t) or ``"cosine"`` (blend = (1 - cos(pi t)) / 2), t = step / N.
 
     A model that is already rewritten (by an earlier ``LNPlacement`` or by ``convert``) is trained as it
     is when this ``LNPlacement`` asks for the same function (the configuration the model computes is what
@@ -330,6 +339,8 @@ class LNPlacement(LayerSync, Callback):
         layer_sync: LayerSync | None = None,
         log_report: bool = True,
         resume_unconverted: bool = False,
+        transition_steps: int | None = None,
+        transition_schedule: str = "linear",
     ):
         for name, value in (("final_norm", final_norm), ("fused", fused), ("strict", strict),
                             ("sync_batchnorm", sync_batchnorm), ("log_report", log_report),
@@ -350,7 +361,19 @@ class LNPlacement(LayerSync, Callback):
             validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init)
         except PlacementError as err:
             raise PlacementError(f"LNPlacement: {err}") from None
+        if transition_steps is not None:
+            from ln_lightning.placement.transition import SCHEDULES
+
+            if isinstance(transition_steps, bool) or not isinstance(transition_steps, int) or transition_steps < 1:
+                raise ValueError(f"LNPlacement: transition_steps must be a positive int (optimizer steps) or None, got {transition_steps!r}.")
+            if placement != "pre":
+                raise ValueError("LNPlacement: transition_steps moves a post-norm model to pre-norm; it needs placement='pre'.")
+            if transition_schedule not in SCHEDULES:
+                raise ValueError(f"LNPlacement: unknown transition_schedule {transition_schedule!r}; valid: {', '.join(map(repr, SCHEDULES))}.")
         _lightning_patch.install()
+        self.transition_steps = transition_steps
+        self.transition_schedule = transition_schedule
+        self._schedule_checked = False
         self.placement = placement
         self.final_norm = final_norm
         self.branch_scale = float(branch_scale) if isinstance(branch_scale, (int, float)) else branch_scale
@@ -439,12 +462,19 @@ class LNPlacement(LayerSync, Callback):
             rewrite_record.record(model, self.config, [b.path for b in report.converted], added=report.added, owners=owners)
         self.report = report
         self._report_pending = True
+        if self.transition_steps is not None and report.changed:
+            from ln_lightning.placement import transition
+
+            transition.start(model, report, steps=self.transition_steps, schedule_kind=self.transition_schedule)
         return report
 
     def _adopt(self, model: nn.Module, existing: dict, source: str) -> None:
         """A model rewritten before: refuse a request for another function, else record what it computes."""
         reason = _difference(existing, self.config, model, rewrite_record.recorded_added(model))
         how = "recorded on the model" if source == "recorded" else "read from its structure: rewritten by convert()"
+        if reason is None and self.transition_steps is not None and not self._transition_known(model):
+            reason = ("transition_steps needs the post-norm model to start from, but this one computes pre-norm already "
+                      "(no transition under way)")
         if reason is not None:
             raise ValueError(
                 f"LNPlacement: this model was already rewritten to ({_fmt(existing)}) ({how}), but this LNPlacement "
@@ -466,6 +496,12 @@ class LNPlacement(LayerSync, Callback):
                    f" Its norms stay {'fused' if _uses_fused(model) else 'torch.nn.LayerNorm'} (fused={self.fused} "
                    "applies to the models this plugin rewrites).")
             )
+
+    @staticmethod
+    def _transition_known(model: nn.Module) -> bool:
+        from ln_lightning.placement import transition
+
+        return transition.active(model) is not None or model.__dict__.get("_ln_lightning_transition_finished", False)
 
     def _check_scale_applies(self, model: nn.Module) -> None:
         # convert scales a branch only when it moves the branch's norm: a block already pre-norm keeps
@@ -493,6 +529,7 @@ class LNPlacement(LayerSync, Callback):
         owners = rewrite_record.marker_owners(module)
         if not isinstance(state, dict) or not owners:
             return
+        transition_fill = self._transition_before_load(module, state)
         missing = []
         for name, _ in owners:
             prefix = f"{name}." if name else ""
@@ -512,20 +549,60 @@ class LNPlacement(LayerSync, Callback):
                 "the rewritten model on purpose, pass LNPlacement(..., resume_unconverted=True)."
             )
         own = module.state_dict()
-        for key in missing:
+        for key in missing + transition_fill:
             state[key] = own[key].detach().cpu().clone()
         added = rewrite_record.recorded_added(module) or []
         fresh = [k for k in own if k not in state and any(k == a or k.startswith(a + ".") for a in added)]
         for key in fresh:
             state[key] = own[key].detach().cpu().clone()
+        fresh_params = [k for k in fresh if k in dict(module.named_parameters())]
+        if fresh_params and isinstance(checkpoint.get("optimizer_states"), list):
+            self._optimizer_remap = (checkpoint, fresh_params)  # done at on_fit_start, once the optimizers exist
         warn(
             f"LNPlacement(resume_unconverted=True): {where} was written without the placement rewrite; its weights are "
             f"loaded into the model rewritten to ({_fmt(config or {})}), which computes "
-            f"{(config or {}).get('placement')}-norm with them from the first step, not the function they were "
-            "trained for."
-            + (f" Parameters the rewrite added keep their fresh values ({', '.join(fresh)}); the checkpoint's "
-               "optimizer state has no entries for them, so resuming the optimizer can fail." if fresh else "")
+            + (f"exactly their own post-norm function at the resume and moves to pre-norm over the next "
+               f"{self.transition_steps} optimizer steps (transition_steps); the optimizer state of existing parameters "
+               "is kept." if transition_fill else
+               f"{(config or {}).get('placement')}-norm with them from the first step, not the function they were "
+               "trained for.")
+            + (f" Parameters the rewrite added keep their fresh values ({', '.join(fresh)})"
+               + ("; they start with fresh optimizer state, the existing parameters keep theirs." if fresh_params else ".")
+               if fresh else "")
         )
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After configure_optimizers, before Lightning restores the optimizer state from the checkpoint.
+        remap, self._optimizer_remap = getattr(self, "_optimizer_remap", None), None
+        if remap is not None:
+            _remap_optimizer_states(remap[0], trainer.optimizers, pl_module, set(remap[1]))
+
+    def _transition_before_load(self, module: nn.Module, state: dict) -> list[str]:
+        """A transition under way meets a checkpoint: the keys to fill from the model (a plugin-less checkpoint:
+        the transition starts at its step), or none. A rewritten model's checkpoint without the transition's
+        buffers was written after the transition ended: the model ends it too before the load."""
+        from ln_lightning.placement import transition
+
+        if transition.active(module) is None:
+            sched = state.get(transition.ATTR + ".schedule")
+            if sched is not None:
+                steps, kind = (int(v) for v in sched.tolist())
+                raise RuntimeError(
+                    f"LNPlacement: the checkpoint was written during a post->pre transition (blend "
+                    f"{float(state.get(transition.ATTR + '.blend', float('nan'))):.4g}), but this LNPlacement has no "
+                    f"transition_steps, so its model would compute another function with those weights. Pass "
+                    f"LNPlacement(..., transition_steps={steps}, transition_schedule={transition.SCHEDULES[kind]!r}) "
+                    "(the values it records)."
+                )
+            return []
+        keys = [k for k in module.state_dict() if k.startswith(transition.ATTR + ".")]
+        if all(k in state for k in keys):
+            return []
+        if any(k.rpartition(".")[2] == MARKER for k in state):
+            transition.finish(module)
+            module.__dict__["_ln_lightning_transition_finished"] = True
+            return []
+        return keys if self.resume_unconverted else []
 
     def _check_strategy(self, strategy: Strategy) -> None:
         if type(strategy) in SUPPORTED_STRATEGIES:
@@ -569,7 +646,41 @@ class LNPlacement(LayerSync, Callback):
                 return
         self._announce(trainer, stage, needs_rewrite)
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """The transition's blend for this optimizer step, from `trainer.global_step` (the same on every rank)."""
+        from ln_lightning.placement import transition
+
+        t = transition.active(pl_module)
+        if t is None or self.transition_steps is None:
+            return
+        if batch_idx == 0 or not self._schedule_checked:
+            transition.check_schedule(t, self.transition_steps, self.transition_schedule)
+            self._schedule_checked = True
+        a = transition.step_blend(t, trainer.global_step)
+        if a >= 1.0:
+            self._finish_transition(pl_module)  # a run resumed past the transition's end
+        else:
+            t.blend.fill_(a)
+        pl_module.log("ln_placement/transition", a, on_step=True, on_epoch=False)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        from ln_lightning.placement import transition
+
+        t = transition.active(pl_module)
+        if t is not None and self.transition_steps is not None and int(t.start_step) >= 0:
+            if transition.step_blend(t, trainer.global_step) >= 1.0:  # step N done: plain pre-norm from here on
+                self._finish_transition(pl_module)
+
+    def _finish_transition(self, pl_module: LightningModule) -> None:
+        from ln_lightning.placement import transition
+
+        transition.finish(pl_module)
+        pl_module.__dict__["_ln_lightning_transition_finished"] = True
+        info(log, f"LNPlacement: transition to pre-norm finished after {self.transition_steps} steps; the model is "
+             "now exactly its pre-norm rewrite.")
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._optimizer_remap = None  # a checkpoint loaded by validate/test is not the next fit's
         if _is_guard(vars(pl_module).get("on_load_checkpoint")):  # no ckpt_path was loaded: remove the one-shot guard
             del pl_module.on_load_checkpoint
 
@@ -643,6 +754,39 @@ class LNPlacement(LayerSync, Callback):
         if self.layer_sync is not None:
             model = self.layer_sync.revert(model)
         return model
+
+
+def _remap_optimizer_states(checkpoint: dict, optimizers: list, module: nn.Module, added: set[str]) -> None:
+    """Make a plugin-less checkpoint's optimizer states fit optimizers that also hold the parameters the rewrite
+    added: the saved states keep their parameters (in the order the same configure_optimizers gave them without
+    the added ones), the added parameters get none (fresh). Refuses when the groups don't line up that way."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    for k, (opt, saved) in enumerate(zip(optimizers, checkpoint["optimizer_states"])):
+        groups = saved.get("param_groups", [])
+        if sum(len(g["params"]) for g in groups) == sum(len(g["params"]) for g in opt.param_groups):
+            continue  # this optimizer holds none of the added parameters
+        kept = [[p for p in g["params"] if names.get(id(p)) not in added] for g in opt.param_groups]
+        if len(groups) != len(opt.param_groups) or any(len(a) != len(g["params"]) for a, g in zip(kept, groups)):
+            raise RuntimeError(
+                f"LNPlacement(resume_unconverted=True): the checkpoint's optimizer {k} has parameter groups of sizes "
+                f"{[len(g['params']) for g in groups]}, which are not this optimizer's groups "
+                f"{[len(g['params']) for g in opt.param_groups]} without the parameters the rewrite added "
+                f"({', '.join(sorted(added))}). Build the optimizer from self.parameters() (or groups that differ only "
+                "by those), or pass LNPlacement(final_norm=False, branch_scale=None) so the rewrite adds no parameters."
+            )
+        state, new_state, new_groups, index = saved.get("state", {}), {}, [], 0
+        for g_new, g_old in zip(opt.param_groups, groups):
+            old_ids = iter(g_old["params"])
+            ids = []
+            for p in g_new["params"]:
+                if names.get(id(p)) not in added:
+                    old = next(old_ids)
+                    if old in state:
+                        new_state[index] = state[old]
+                ids.append(index)
+                index += 1
+            new_groups.append({**g_old, "params": ids})
+        saved["state"], saved["param_groups"] = new_state, new_groups
 
 
 def _read_checkpoint(path: Path, map_location: Any) -> dict:
@@ -755,6 +899,10 @@ def load_converted(
     except (TypeError, ValueError) as err:
         raise ValueError(f"load_converted: {path} records a placement configuration LNPlacement can't build: {err}") from None
     placement.rewrite(model)
+    from ln_lightning.placement import transition
+
+    if any(k.startswith(transition.ATTR + ".") for k in state_dict):  # written mid-transition: restore its blend
+        transition.start(model, placement.report)
     if isinstance(model, LightningModule):
         model.on_load_checkpoint(checkpoint)
     model.load_state_dict(state_dict, strict=strict)

@@ -117,3 +117,17 @@ def test_simulate_two_nodes_quick(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "identical weights on both ranks" in md
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_migrate_trained_quick(tmp_path):
+    _example("migrate_trained", tmp_path, timeout=600)
+    _check_outputs(tmp_path, ["loss.png"], min_events=5)
+    res = json.loads((tmp_path / "results.json").read_text())
+    runs = res["runs"]
+    assert set(runs) == {"unchanged", "hard", "trans_3", "trans_6"}
+    # By construction a transition resumes at exactly the trained post-norm function: its first loss is the
+    # unchanged run's (same seed, same batch); the hard switch's is not.
+    first = runs["unchanged"][0]["first_loss"]
+    for arm in ("trans_3", "trans_6"):
+        assert abs(runs[arm][0]["first_loss"] - first) <= 1e-6 * first
+    assert abs(runs["hard"][0]["first_loss"] - first) > 1e-4 * first

@@ -210,6 +210,12 @@ def convert(
     """
     _check_model(model, "convert")
     _validate(placement, final_norm, branch_scale, strict, layerscale_init, mix_post_blocks)
+    if isinstance(model._modules.get("ln_lightning_transition"), nn.Module):
+        # Mid-transition the blocks compute a blend; rewriting them now would leave it half-undone.
+        raise PlacementError(
+            f"{type(model).__name__} is in a post->pre transition (ln_lightning_transition); end it first with "
+            "ln_lightning.placement.transition.finish(model), then convert"
+        )
     types = norm_types()
     if not any(isinstance(m, types) for m in model.modules()):
         raise PlacementError(

@@ -76,6 +76,11 @@ class DeferredNorm:
     def forward(self, x, *args, **kwargs):  # the call site: pass-through
         if _bypassed():
             return super().forward(x, *args, **kwargs)
+        # During a post->pre transition (placement/transition.py) the call site blends (1-a)*LN(x) + a*x;
+        # the attribute is set on the instance by transition.start and removed by transition.finish.
+        t = self.__dict__.get("ln_lightning_transition")
+        if t is not None:
+            return t.call_site(x, super().forward(x, *args, **kwargs))
         return x
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,7 +241,7 @@ class NormalizeBranchInput:
         def norm_of(t):
             key = id(t)
             if key not in cache:
-                cache[key] = self.norm.normalize(t)
+                cache[key] = self._normalized(t)
             return cache[key]
 
         capture = getattr(_state, "capture", None)
@@ -252,6 +257,10 @@ class NormalizeBranchInput:
             if k in kwargs:
                 kwargs[k] = norm_of(kwargs[k])
         return tuple(args), kwargs
+
+    def _normalized(self, t: torch.Tensor) -> torch.Tensor:
+        # Overridden by transition.BlendNormalizeBranchInput: (1-a)*t + a*normalize(t).
+        return self.norm.normalize(t)
 
 
 class NormalizeBranchOutput:

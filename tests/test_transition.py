@@ -1,0 +1,598 @@
+"""Issue 11: the function-preserving post-norm -> pre-norm transition (ln_lightning.placement.transition).
+
+Exactness is the point: at blend 0 the model computes the unconverted post-norm function, at blend 1
+(and after `finish`) exactly `convert(model, "pre")`; `finish` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ln_lightning.demo import PostNormTransformerLM
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.placement import PlacementError, convert, transition
+from ln_lightning.plugin import LNPlacement, load_converted
+
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16)
+SEQ = 16
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------- models
+class TorchEncoderLM(nn.Module):
+    def __init__(self, vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, n_heads, 2 * d_model, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, idx):
+        return self.head(self.enc(self.emb(idx)))
+
+
+class BertLM(nn.Module):
+    def __init__(self, vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        cfg = BertConfig(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                         intermediate_size=2 * d_model, max_position_embeddings=block_size, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+        self.bert = BertModel(cfg, add_pooling_layer=False)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, idx):
+        return self.head(self.bert(input_ids=idx).last_hidden_state)
+
+
+KINDS = {"demo": PostNormTransformerLM, "torch": TorchEncoderLM, "bert": BertLM}
+
+
+def make(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return KINDS[kind](**TINY)
+
+
+def batch(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (4, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+class LM(CharLM):
+    """CharLM (AdamW + LambdaLR) over any of the three models; records the loss of every training step."""
+
+    def __init__(self, kind: str = "demo", lr: float = 1e-2, seed: int = 0, warmup_steps: int = 2):
+        super().__init__(**TINY, lr=lr, warmup_steps=warmup_steps)
+        self.save_hyperparameters()
+        self.model = make(kind, seed)
+        self.losses: list[float] = []
+
+    def training_step(self, b, batch_idx):
+        loss = self._loss(b)
+        self.losses.append(loss.item())
+        self.log("train/loss", loss)
+        return loss
+
+
+def loader() -> DataLoader:
+    x = batch(1)
+    y = torch.roll(x, -1, dims=1)
+    return DataLoader(TensorDataset(x, y), batch_size=4)  # one batch per epoch: resume is never mid-epoch
+
+
+def loss_of(module: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = module(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), torch.roll(x, -1, dims=1).reshape(-1)).item()
+
+
+def trainer(tmp_path, plugin=None, max_steps=4, callbacks=(), **kw) -> Trainer:
+    return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+                   plugins=[plugin] if plugin is not None else None, callbacks=list(callbacks),
+                   enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), **kw)
+
+
+class BlendRecorder(Callback):
+    """The blend each training step ran with (after LNPlacement's per-step hook: it is the first callback)."""
+
+    def __init__(self):
+        self.blends: list[float | None] = []
+
+    def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
+        self.blends.append(transition.get_blend(pl_module))
+
+
+# ---------------------------------------------------------------------------------------------- the mechanism
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("branch_scale", [None, "depth", "layerscale"])
+def test_blend_is_post_at_0_and_pre_at_1(kind, branch_scale):
+    model = make(kind)
+    x = batch()
+    post = model(x)
+    reference = copy.deepcopy(model)
+    convert(reference, "pre", branch_scale=branch_scale)
+    pre = reference(x)
+    transition.begin(model, branch_scale=branch_scale, steps=4)
+    assert rel(model(x), post) <= 1e-6  # in fact 0: 1*x + 0*y == x in floating point
+    assert torch.equal(model(x), post)
+    transition.set_blend(model, 0.5)
+    half = model(x)
+    assert rel(half, post) > 1e-4 and rel(half, pre) > 1e-4  # in between, not one of the ends
+    transition.set_blend(model, 1.0)
+    assert rel(model(x), pre) <= 1e-6
+    transition.finish(model)
+    assert transition.leftovers(model) == []
+    assert torch.equal(model(x), pre)
+    # Structurally the converted model: same classes, same state_dict keys, no blend anywhere.
+    assert [type(m) for m in model.modules()] == [type(m) for m in reference.modules()]
+    assert list(model.state_dict()) == list(reference.state_dict())
+
+
+def test_gradients_at_0_are_the_post_norm_gradients():
+    model = make("demo")
+    post = copy.deepcopy(model)
+    x = batch()
+    transition.begin(model)
+    loss_of_grad = lambda m: F.cross_entropy(m(x).reshape(-1, TINY["vocab_size"]), x.reshape(-1))
+    loss_of_grad(model).backward()
+    loss_of_grad(post).backward()
+    gm = dict(model.named_parameters())
+    for name, p in post.named_parameters():
+        assert torch.allclose(gm[name].grad, p.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_torch_decoder_layer_blends():
+    torch.manual_seed(0)
+
+    class Dec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+
+        def forward(self, x):
+            return self.dec(x, x.flip(1))
+
+    model = Dec()
+    x = torch.randn(2, 6, 16)
+    post = model(x)
+    ref = copy.deepcopy(model)
+    convert(ref, "pre", example_input=x)
+    transition.begin(model, example_input=x)
+    assert torch.equal(model(x), post)
+    transition.set_blend(model, 1.0)
+    assert rel(model(x), ref(x)) <= 1e-6
+    transition.finish(model)
+    assert transition.leftovers(model) == []
+
+
+def test_state_dict_deepcopy_and_pickle_keep_the_blend():
+    model = make("demo")
+    transition.begin(model)
+    transition.set_blend(model, 0.25)
+    x = batch()
+    y = model(x)
+    assert "ln_lightning_transition.blend" in model.state_dict()
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert transition.get_blend(other) == 0.25
+        assert torch.equal(other(x), y)
+        transition.finish(other)  # the copy's machinery is its own
+        assert transition.leftovers(other) == []
+    assert torch.equal(model(x), y)
+    fresh = make("demo")
+    transition.begin(fresh)
+    fresh.load_state_dict(model.state_dict())
+    assert transition.get_blend(fresh) == 0.25 and torch.equal(fresh(x), y)
+
+
+def test_a_finished_state_dict_finishes_the_transition_it_is_loaded_into():
+    # ddp_spawn's rank 0 sends its weights (transition finished) to the main process, still at blend 0.
+    done = make("demo")
+    transition.begin(done)
+    transition.finish(done)
+    from ln_lightning import rewrite_record
+
+    rewrite_record.record(done, {"placement": "pre", "final_norm": True, "branch_scale": None}, ["blocks.0"])
+    target = make("demo")
+    transition.begin(target)
+    rewrite_record.record(target, {"placement": "pre", "final_norm": True, "branch_scale": None}, ["blocks.0"])
+    target.load_state_dict(done.state_dict(), strict=False)
+    assert transition.active(target) is None and transition.leftovers(target) == []
+
+
+def test_errors_name_the_problem():
+    model = make("demo")
+    with pytest.raises(PlacementError, match="not in a transition"):
+        transition.set_blend(model, 0.5)
+    transition.begin(model)
+    with pytest.raises(PlacementError, match=r"\[0, 1\]"):
+        transition.set_blend(model, 1.5)
+    with pytest.raises(PlacementError, match="in a post->pre transition"):
+        convert(model, "post")
+    with pytest.raises(PlacementError, match="already in a transition"):
+        transition.start(model, None)
+    with pytest.raises(ValueError, match="transition_steps must be a positive int"):
+        LNPlacement("pre", transition_steps=0)
+    with pytest.raises(ValueError, match="needs placement='pre'"):
+        LNPlacement("post", transition_steps=3)
+    with pytest.raises(ValueError, match="unknown transition_schedule"):
+        LNPlacement("pre", transition_steps=3, transition_schedule="step")
+
+
+def test_torch_layer_subclass_is_refused():
+    class MyLayer(nn.TransformerEncoderLayer):
+        def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+            return super().forward(src, src_mask, src_key_padding_mask, is_causal) * 1.0
+
+    model = TorchEncoderLM()
+    model.enc.layers = nn.ModuleList(MyLayer(32, 2, 64, dropout=0.0, batch_first=True) for _ in range(2))
+    report = convert(model, "pre")
+    assert report.converted
+    with pytest.raises(PlacementError, match="MyLayer"):
+        transition.start(model, report)
+    assert transition.active(model) is None and transition.leftovers(model) == []  # refused before any change
+
+
+def test_schedules():
+    assert transition.schedule(0) == 0.0 and transition.schedule(1) == 1.0
+    assert transition.schedule(0, "cosine") == 0.0 and transition.schedule(1, "cosine") == 1.0
+    assert transition.schedule(0.5, "cosine") == pytest.approx(0.5)
+    assert transition.schedule(0.25, "cosine") < 0.25
+
+
+# ---------------------------------------------------------------------------------------------- the plugin
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_plugin_first_loss_is_the_unconverted_loss_and_ends_at_convert(kind, tmp_path):
+    n = 4
+    # lr 0: the weights stay, so each step's loss is the function at that step's blend.
+    module = LM(kind, lr=0.0)
+    unconverted = copy.deepcopy(module.model)
+    rec = BlendRecorder()
+    trainer(tmp_path, LNPlacement("pre", transition_steps=n, fused=False, log_report=False), max_steps=n + 1,
+            callbacks=[rec]).fit(module, train_dataloaders=loader())
+    x = batch(1)
+    first = loss_of(unconverted, x)
+    assert abs(module.losses[0] - first) <= 1e-6 * abs(first)
+    assert rec.blends == [0.0, 0.25, 0.5, 0.75, None]  # finished after step N: plain pre-norm for step N+1
+    assert transition.leftovers(module) == []
+    reference = copy.deepcopy(unconverted)
+    convert(reference, "pre")
+    assert rel(module.model(x), reference(x)) <= 1e-6
+    assert abs(module.losses[-1] - loss_of(reference, x)) <= 1e-6 * loss_of(reference, x)
+
+
+@pytest.mark.parametrize("kind", ["demo", "torch"])
+def test_plugin_trained_weights_end_as_their_pre_norm_rewrite(kind, tmp_path):
+    n = 3
+    module = LM(kind, lr=1e-2)
+    fresh = copy.deepcopy(module.model)
+    trainer(tmp_path, LNPlacement("pre", transition_steps=n, transition_schedule="cosine", log_report=False),
+            max_steps=n).fit(module, train_dataloaders=loader())
+    assert transition.active(module) is None and transition.leftovers(module) == []
+    # The same weights in a model convert() rewrote (with the fused norms LNPlacement swaps in).
+    from ln_lightning.norm import swap_layernorms
+
+    swap_layernorms(fresh)
+    convert(fresh, "pre")
+    result = fresh.load_state_dict(module.model.state_dict(), strict=False)
+    assert result.missing_keys == [] and all(k.endswith("ln_lightning_placement") for k in result.unexpected_keys)  # LNPlacement's marker
+    assert [type(m) for m in fresh.modules()] == [type(m) for m in module.model.modules()]
+    x = batch(3)
+    assert rel(module.model(x), fresh(x)) <= 1e-6
+
+
+def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
+    n, total = 4, 6
+    plugin = lambda: LNPlacement("pre", transition_steps=n, fused=False, log_report=False)
+    straight = LM("demo")
+    trainer(tmp_path / "a", plugin(), max_steps=total).fit(straight, train_dataloaders=loader())
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=n // 2, save_top_k=-1)
+    first = LM("demo")
+    trainer(tmp_path / "b", plugin(), max_steps=n // 2, callbacks=[ckpt]).fit(first, train_dataloaders=loader())
+    path = next((tmp_path / "ck").glob("*step=2*.ckpt"))
+    saved = torch.load(path, weights_only=False)
+    assert saved["state_dict"]["ln_lightning_transition.blend"].item() == 0.25  # the blend step 2 ran with
+    assert saved["state_dict"]["ln_lightning_transition.start_step"].item() == 0
+    # Mid-transition, load_converted restores the blend (inference).
+    loaded = load_converted(LM("demo"), path)
+    assert transition.get_blend(loaded) == 0.25
+    assert rel(loaded.model(batch(3)), first.model.eval()(batch(3))) <= 1e-6
+    # validate(ckpt_path) on a fresh model runs the checkpoint's blend; without transition_steps it is refused.
+    evaluated = LM("demo")
+    Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            plugins=[plugin()]).validate(evaluated, dataloaders=loader(), ckpt_path=path)
+    assert transition.get_blend(evaluated) == 0.25
+    with pytest.raises(RuntimeError, match="during a post->pre transition.*transition_steps=4, transition_schedule='linear'"):
+        Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                plugins=[LNPlacement("pre", fused=False, log_report=False)]).validate(LM("demo"), dataloaders=loader(), ckpt_path=path)
+    resumed = LM("demo")
+    rec = BlendRecorder()
+    trainer(tmp_path / "c", plugin(), max_steps=total, callbacks=[rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
+    assert rec.blends == [0.5, 0.75, None, None]
+    with pytest.raises(PlacementError, match="transition_steps=4.*not transition_steps=5"):
+        trainer(tmp_path / "d", LNPlacement("pre", transition_steps=5, fused=False, log_report=False), max_steps=total).fit(
+            LM("demo"), train_dataloaders=loader(), ckpt_path=path)
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
+
+
+def test_plugin_resume_after_the_transition_ended(tmp_path):
+    n = 2
+    plugin = lambda: LNPlacement("pre", transition_steps=n, fused=False, log_report=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
+    trainer(tmp_path, plugin(), max_steps=3, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    assert not any(k.startswith("ln_lightning_transition") for k in torch.load(path, weights_only=False)["state_dict"])
+    resumed = LM("demo")
+    rec = BlendRecorder()
+    trainer(tmp_path, plugin(), max_steps=5, callbacks=[rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
+    assert rec.blends == [None, None] and transition.leftovers(resumed) == []
+
+
+# ---------------------------------------------------------------------------------------------- continuation
+class ResumeProbe(Callback):
+    """At the first step after the resume: the step, the loss on a fixed batch, the optimizer and scheduler state."""
+
+    def __init__(self, x):
+        self.x = x
+        self.seen = None
+
+    def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
+        if self.seen is None:
+            opt = trainer.optimizers[0]
+            self.seen = {
+                "step": trainer.global_step,
+                "blend": transition.get_blend(pl_module),
+                "loss": loss_of(pl_module, self.x),
+                "exp_avg": {n: opt.state[p]["exp_avg"].clone() for n, p in pl_module.named_parameters() if p in opt.state},
+                "sched": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+            }
+
+
+@pytest.mark.parametrize("final_norm", [True, False])
+def test_plugin_less_checkpoint_continues_as_pre_norm(final_norm, tmp_path):
+    s = 3
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=s, save_top_k=-1)
+    trainer(tmp_path, None, max_steps=s, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    saved = torch.load(path, weights_only=False)
+    plain = LM("demo", seed=5)
+    plain.load_state_dict(saved["state_dict"])
+    x = batch(7)
+    before = loss_of(plain, x)
+
+    resumed = LM("demo", seed=5)
+    probe = ResumeProbe(x)
+    rec = BlendRecorder()
+    plugin = LNPlacement("pre", transition_steps=4, resume_unconverted=True, final_norm=final_norm, fused=False, log_report=False)
+    with pytest.warns(UserWarning, match="exactly their own post-norm function"):
+        trainer(tmp_path, plugin, max_steps=s + 5, callbacks=[probe, rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
+    seen = probe.seen
+    assert seen["step"] == s and seen["blend"] == 0.0
+    assert abs(seen["loss"] - before) <= 1e-6 * abs(before)
+    assert seen["sched"] == saved["lr_schedulers"][0]["last_epoch"]
+    # The optimizer state of every existing parameter is the checkpoint's (AdamW lists them in module order).
+    old_names = [n for n, _ in plain.named_parameters()]
+    saved_state = saved["optimizer_states"][0]["state"]
+    for i, name in enumerate(old_names):
+        assert torch.equal(seen["exp_avg"][name], saved_state[i]["exp_avg"]), name
+    assert set(seen["exp_avg"]) == set(old_names)  # added parameters start fresh
+    assert rec.blends == [0.0, 0.25, 0.5, 0.75, None]  # the transition starts at the checkpoint's step
+    assert transition.leftovers(resumed) == []
+
+
+def test_plugin_less_checkpoint_without_the_opt_in_is_refused(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1)
+    trainer(tmp_path, None, max_steps=2, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    with pytest.raises(RuntimeError, match="resume_unconverted=True"):
+        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=4).fit(
+            LM("demo"), train_dataloaders=loader(), ckpt_path=path)
+
+
+# ---------------------------------------------------------------------------------------------- ddp_spawn
+class BlendFile(Callback):
+    """Each rank writes the blend of every step it ran (the callback is pickled into the spawned workers)."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.blends: list = []
+
+    def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
+        self.blends.append([trainer.global_step, transition.get_blend(pl_module)])
+
+    def on_train_end(self, trainer, pl_module):
+        import json
+
+        Path(self.out, f"blends_rank{trainer.global_rank}.json").write_text(json.dumps(self.blends))
+
+
+@pytest.mark.slow
+def test_ddp_spawn_every_rank_has_the_same_blend(tmp_path):
+    import json
+
+    from _helpers_dist import DestroyProcessGroupAtExit
+
+    module = LM("demo")
+    t = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=5, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+                default_root_dir=tmp_path, plugins=[LNPlacement("pre", transition_steps=3, fused=False, log_report=False)],
+                callbacks=[BlendFile(str(tmp_path)), DestroyProcessGroupAtExit()])
+    t.fit(module, train_dataloaders=loader())
+    ranks = [json.loads(Path(tmp_path, f"blends_rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()
+    assert ranks[0] == [[0, 0.0], [1, f32(1 / 3)], [2, f32(2 / 3)], [3, None], [4, None]]
+    # The main process got rank 0's weights (transition over) and ended its own transition with them.
+    assert transition.active(module) is None and transition.leftovers(module) == []
+
+
+def test_blend_is_logged_and_validate_uses_it(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = LM("demo", lr=0.0)
+    unconverted = copy.deepcopy(module.model)
+    t = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
+                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                limit_val_batches=0, plugins=[LNPlacement("pre", transition_steps=4, fused=False, log_report=False)])
+    t.fit(module, train_dataloaders=loader())
+    import csv
+
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    assert [float(r["ln_placement/transition"]) for r in rows if r.get("ln_placement/transition")] == [0.0, 0.25]
+    # Stopped mid-transition: the model keeps the blend of its last step (0.25), in eval too.
+    assert transition.get_blend(module) == 0.25
+    x = batch(3)
+    assert rel(module.model.eval()(x), unconverted(x)) > 1e-4  # not the post-norm function any more
+    transition.set_blend(module, 0.0)
+    assert torch.equal(module.model(x), unconverted.eval()(x))
+
+
+def test_x_transformers_slot_final_norm_blends():
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    model = xt.Encoder(dim=16, depth=2, heads=2, pre_norm=False)
+    x = torch.randn(2, 5, 16)
+    post = model(x)
+    ref = copy.deepcopy(model)
+    convert(ref, "pre", example_input=x)
+    report = transition.begin(model, example_input=x)
+    assert report.added == ["final_norm"]
+    assert torch.equal(model(x), post)
+    transition.set_blend(model, 1.0)
+    assert rel(model(x), ref(x)) <= 1e-6
+    transition.finish(model)
+    assert transition.leftovers(model) == [] and torch.equal(model(x), ref(x))
+
+
+def test_transition_steps_on_a_model_already_converted_is_refused(tmp_path):
+    module = LM("demo")
+    convert(module, "pre")
+    with pytest.raises(ValueError, match="transition_steps needs the post-norm model"):
+        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=1).fit(
+            module, train_dataloaders=loader())
+
+
+def test_gradient_accumulation_keeps_one_blend_per_optimizer_step(tmp_path):
+    rec = BlendRecorder()
+    module = LM("demo")
+    x = batch(1)
+    dl = DataLoader(TensorDataset(torch.cat([x, x]), torch.roll(torch.cat([x, x]), -1, dims=1)), batch_size=4)
+    trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False), max_steps=3, callbacks=[rec],
+            accumulate_grad_batches=2).fit(module, train_dataloaders=dl)
+    assert rec.blends == [0.0, 0.0, 0.5, 0.5, None, None]
+
+
+def test_bf16_blend_is_exact_at_both_ends():
+    model = make("demo").to(torch.bfloat16)
+    x = batch()
+    post = model(x)
+    ref = copy.deepcopy(model)
+    convert(ref, "pre")
+    transition.begin(model)
+    assert model(x).dtype == torch.bfloat16 and torch.equal(model(x), post)
+    transition.set_blend(model, 1.0)
+    assert torch.equal(model(x), ref(x))
+
+
+# ---------------------------------------------------------------------------------------------- ddp / FSDP2 (scripts)
+class MPLM(LM):
+    """LM for ModelParallelStrategy: FSDP2 `fully_shard` in configure_model (after the rewrite)."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        if any(hasattr(p, "full_tensor") for p in self.parameters()):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def _script(mode: str, out: str) -> None:
+    """Run as `python tests/test_transition.py MODE OUT` (ddp and ModelParallelStrategy re-run the command line)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from _helpers_dist import DestroyProcessGroupAtExit
+
+    torch.set_num_threads(1)
+    strategy = "ddp" if mode == "ddp" else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    module = LM("demo") if mode == "ddp" else MPLM("demo")
+    t = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+                default_root_dir=out, plugins=[LNPlacement("pre", transition_steps=3, fused=False, log_report=False)],
+                callbacks=[BlendFile(out), DestroyProcessGroupAtExit()])
+    t.fit(module, train_dataloaders=loader())
+    import json
+
+    Path(out, f"left_rank{t.global_rank}.json").write_text(json.dumps(transition.leftovers(module)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_ddp_and_fsdp2_every_rank_has_the_same_blend(mode, tmp_path):
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, __file__, mode, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads(Path(tmp_path, f"blends_rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1] and [b for _, b in ranks[0]][-2:] == [None, None] and ranks[0][0] == [0, 0.0]
+    assert all(json.loads(Path(tmp_path, f"left_rank{r}.json").read_text()) == [] for r in range(2))
+
+
+if __name__ == "__main__":
+    _script(sys.argv[1], sys.argv[2])
+
+
+def test_dashboard_shows_the_transition_next_to_the_stream_charts(tmp_path):
+    from ln_lightning.callbacks import StreamNormMonitor
+    from ln_lightning.callbacks.dashboard import monitor_layout
+
+    t = trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), callbacks=[StreamNormMonitor()])
+    stream = monitor_layout(t)["ln-lightning: residual stream"]
+    assert stream["placement transition (0 post-norm, 1 pre-norm)"] == ["Multiline", ["ln_placement/transition"]]
+    plain = trainer(tmp_path, LNPlacement("pre", fused=False, log_report=False), callbacks=[StreamNormMonitor()])
+    assert not any("transition" in title for cat in monitor_layout(plain).values() for title in cat)
+
+
+def test_stream_monitor_sees_the_transition(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ln_lightning.callbacks import StreamNormMonitor
+
+    module = LM("demo", lr=0.0)
+    t = Trainer(accelerator="cpu", devices=1, max_steps=4, logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
+                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                limit_val_batches=0, plugins=[LNPlacement("pre", transition_steps=2, fused=False, log_report=False)],
+                callbacks=[StreamNormMonitor(every_n_steps=1, log_depth_profile=False)])
+    t.fit(module, train_dataloaders=loader())
+    rows = [r for r in csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()) if r.get("stream/rms/model.blocks.1")]
+    rms = [float(r["stream/rms/model.blocks.1"]) for r in rows]
+    assert len(rms) == 4
+    # Blend 0: the block's output is its LayerNorm's (weight 1, bias 0): rms 1. Pre-norm after step 2: the raw stream.
+    assert abs(rms[0] - 1.0) < 1e-3 and abs(rms[3] - 1.0) > 1e-2 and rms[1] != rms[0]
