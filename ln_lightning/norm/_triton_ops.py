@@ -39,8 +39,12 @@ BWD_PROGRAMS_PER_SM = 2
 FWD_NUM_WARPS = 0
 BWD_NUM_WARPS = 0
 BWD_NUM_STAGES = 0  # 0: Triton's default software-pipelining depth for the row loop
+BWD_UNALIGNED_MAX_SINGLE_BLOCK = 4096  # the backward's widest register-held row whose width % 16 != 0
 # The module attributes above that decide launches (benchmarks/triton_aot.py --set overrides them).
-LAUNCH_TUNABLES = ("MAX_SINGLE_BLOCK", "LOOP_BLOCK", "BWD_PROGRAMS_PER_SM", "FWD_NUM_WARPS", "BWD_NUM_WARPS", "BWD_NUM_STAGES")
+LAUNCH_TUNABLES = (
+    "MAX_SINGLE_BLOCK", "LOOP_BLOCK", "BWD_PROGRAMS_PER_SM", "FWD_NUM_WARPS", "BWD_NUM_WARPS", "BWD_NUM_STAGES",
+    "BWD_UNALIGNED_MAX_SINGLE_BLOCK",
+)
 
 
 @triton.jit
@@ -274,9 +278,26 @@ def forward_launch_config(n_cols: int) -> LaunchConfig:
 
 
 def backward_launch_config(n_cols: int) -> LaunchConfig:
-    """The backward kernel's launch for rows ``n_cols`` wide (the runtime and the AOT check share it)."""
+    """The backward kernel's launch for rows ``n_cols`` wide (the runtime and the AOT check share it).
+
+    Chosen from the compiled resources (``benchmarks/triton_aot.py --subset full``, sm_80/sm_90;
+    README "Triton kernels compiled ahead of time"): the backward keeps about six row-sized float32
+    values per element live, so at 4096 it takes 32 warps (at most 63 registers, 50% occupancy; 8
+    warps needed up to 208, 12%, and spilled once), and at 8192 16 warps (0 spills for widths that
+    are multiples of 16; 32 warps spill). The loop kernel takes 4 warps: 8 and 16 spilled a few
+    bytes in one variant each under Triton's ptxas flags, and with 4 every variant still keeps
+    ``BWD_PROGRAMS_PER_SM`` blocks resident; the bytes in flight per program are set by the block,
+    not the warps.
+    """
     block, single = _width_bucket(n_cols)
-    warps = (16 if block >= 8192 else 8 if block >= 2048 else 4) if single else 8
+    if single and block > BWD_UNALIGNED_MAX_SINGLE_BLOCK and n_cols % 16:
+        # Widths that aren't a multiple of 16 get no 16-byte vector loads (one address per element):
+        # past this block their row does not fit in registers (spills at 16 and 32 warps).
+        block, single = LOOP_BLOCK, False
+    if not single:
+        warps = 4
+    else:
+        warps = 32 if block == 4096 else 16 if block >= 8192 else 8 if block >= 2048 else 4
     return LaunchConfig(block, single, BWD_NUM_WARPS or warps, BWD_NUM_STAGES)
 
 
