@@ -451,33 +451,33 @@ def variant_table(results: list[Result]) -> list[str]:
     return lines
 
 
+# gpu_norm_check.py times 16384x4096 bf16; bench_norm.py's CUDA default sweep is these shapes.
 ROOFLINE_SHAPES = [(16384, 4096)] + [(rows, cols) for rows in (4096, 8192, 16384) for cols in (768, 1024, 4096, 8192)]
 
 
 def roofline_table(entries: list[KernelEntry], dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Every kernel at the first shape; at the others the forward + backward sums only."""
     from ln_lightning.norm import _triton_ops as ops
 
-    a100 = BANDWIDTH["A100"]
-    head = f"{'shape':>12} {'dtype':5} {'kernel':34} {'MB moved':>9} {'H200 us':>8} {'A100 us':>8}"
+    head = f"{'shape':>11} {'dtype':5} {'kernel':34} {'MB moved':>9} {'H200 us':>8} {'A100 us':>8}"
     lines = [head, "-" * len(head)]
-    seen = set()
-    for rows, cols in ROOFLINE_SHAPES:
-        if (rows, cols) in seen:
-            continue
-        seen.add((rows, cols))
-        sums = {"H200": {}, "A100": {}}
-        for entry in entries:
-            for gpu in ("H200", "A100"):
-                programs = min(rows, SMS[gpu] * ops.BWD_PROGRAMS_PER_SM)
-                sums[gpu].update(entry.roofline(rows, cols, dtype, programs))
-        for label in sums["H200"]:
-            h, a = sums["H200"][label], sums["A100"][label]
-            lines.append(f"{f'{rows}x{cols}':>12} {str(dtype)[6:]:5} {label:34} {h / 1e6:>9.1f} {h / BANDWIDTH['H200'] * 1e6:>8.1f} {a / a100 * 1e6:>8.1f}")
-        # fused add + LayerNorm, forward + backward: the figure gpu_norm_check.py times
-        fb = {gpu: sums[gpu].get("add+LN fwd (x, r -> y, h)", 0) + sums[gpu].get("add+LN bwd (dy, h, dh_next -> dh)", 0) for gpu in sums}
-        if fb["H200"]:
-            lines.append(f"{f'{rows}x{cols}':>12} {str(dtype)[6:]:5} {'add+LN fwd+bwd':34} {fb['H200'] / 1e6:>9.1f} "
-                         f"{fb['H200'] / BANDWIDTH['H200'] * 1e6:>8.1f} {fb['A100'] / a100 * 1e6:>8.1f}")
+    for i, (rows, cols) in enumerate(dict.fromkeys(ROOFLINE_SHAPES)):
+        moved = {}
+        for gpu in ("H200", "A100"):
+            programs = min(rows, SMS[gpu] * ops.BWD_PROGRAMS_PER_SM)
+            moved[gpu] = {k: v for e in entries for k, v in e.roofline(rows, cols, dtype, programs).items()}
+        # "<op> fwd (...)" + "<op> bwd (...)" -> "<op> fwd+bwd": what a training step pays
+        for gpu in moved:
+            for label in list(moved[gpu]):
+                op, _, rest = label.partition(" fwd")
+                bwd = next((k for k in moved[gpu] if k.startswith(op + " bwd")), None) if rest else None
+                if bwd:
+                    moved[gpu][f"{op} fwd+bwd"] = moved[gpu][label] + moved[gpu][bwd]
+        labels = list(moved["H200"]) if i == 0 else [k for k in moved["H200"] if k.endswith("fwd+bwd")]
+        for label in labels:
+            h, a = moved["H200"][label], moved["A100"][label]
+            lines.append(f"{f'{rows}x{cols}':>11} {str(dtype)[6:]:5} {label:34} {h / 1e6:>9.1f} "
+                         f"{h / BANDWIDTH['H200'] * 1e6:>8.1f} {a / BANDWIDTH['A100'] * 1e6:>8.1f}")
     return lines
 
 
