@@ -92,6 +92,7 @@ class Target:
     smem_per_sm: int  # bytes of shared memory the blocks of one SM can share
     smem_per_block: int  # the most one block may use (opt-in)
     regs_per_sm: int = 64 * K
+    max_threads_per_block: int = 1024
     reg_alloc_unit: int = 256  # registers are allocated per warp in units of this
     warp_alloc_granularity: int = 4
     reserved_smem_per_block: int = 1 * K  # the CUDA runtime's per-block reservation (sm_80+)
@@ -282,6 +283,7 @@ class Result:
     config: str  # the launch config (width bucket)
     variant: str
     width: int
+    launch_config: dict = field(default_factory=dict)  # LaunchConfig's fields
     regs: Optional[int] = None
     stack: Optional[int] = None  # bytes per thread
     local: Optional[int] = None  # bytes per thread of local memory
@@ -308,7 +310,7 @@ def find_cuobjdump() -> Path:
     if not path.exists():
         found = shutil.which("cuobjdump")
         if not found:
-            raise SystemExit(f"error: cuobjdump not found (looked for {path} and on PATH)")
+            usage_error(f"cuobjdump not found (looked for {path} and on PATH)")
         path = Path(found)
     return path
 
@@ -330,6 +332,8 @@ def cubin_resources(cuobjdump: Path, cubin: bytes, workdir: Path) -> dict[str, d
 
 def occupancy(target: Target, regs: int, num_warps: int, shared: int) -> tuple[int, str]:
     """(resident blocks per SM, what limits them): the CUDA occupancy calculator's rules."""
+    if num_warps * 32 > target.max_threads_per_block:
+        return 0, "threads per block"
     limits = {"warps": target.max_warps_per_sm // num_warps, "blocks": target.max_blocks_per_sm}
     regs_per_warp = math.ceil(regs * 32 / target.reg_alloc_unit) * target.reg_alloc_unit
     warps_by_regs = target.regs_per_sm // regs_per_warp // target.warp_alloc_granularity * target.warp_alloc_granularity
@@ -366,7 +370,7 @@ class Compiler:
 
     def compile(self, case: Case, target: Target, specialisation) -> Result:
         cfg = case.launch.config
-        res = Result(case.kernel, target.name, config_label(cfg), case.variant, case.width)
+        res = Result(case.kernel, target.name, config_label(cfg), case.variant, case.width, asdict(cfg))
         signature, constexprs, attrs = specialisation
         src = self.ASTSource(case.launch.kernel, signature, constexprs, attrs)
         t0 = time.perf_counter()
@@ -484,6 +488,11 @@ def roofline_table(entries: list[KernelEntry], dtype: torch.dtype = torch.bfloat
 # --------------------------------------------------------------------------- main
 
 
+def usage_error(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def apply_overrides(settings: list[str]) -> dict[str, int]:
     """``NAME=VALUE`` for the dispatch's tunables (``_triton_ops.LAUNCH_TUNABLES``)."""
     from ln_lightning.norm import _triton_ops as ops
@@ -491,8 +500,8 @@ def apply_overrides(settings: list[str]) -> dict[str, int]:
     applied = {}
     for item in settings:
         name, sep, value = item.partition("=")
-        if not sep or name not in ops.LAUNCH_TUNABLES:
-            raise SystemExit(f"error: --set takes NAME=VALUE with NAME one of {', '.join(ops.LAUNCH_TUNABLES)}; got {item!r}")
+        if not sep or name not in ops.LAUNCH_TUNABLES or not value.lstrip("-").isdigit():
+            usage_error(f"--set takes NAME=VALUE with NAME one of {', '.join(ops.LAUNCH_TUNABLES)}; got {item!r}")
         setattr(ops, name, int(value))
         applied[name] = int(value)
     return applied
@@ -504,7 +513,7 @@ def run(args) -> int:
     entries = [e for e in REGISTRY if not args.kernels or e.name in args.kernels]
     unknown = set(args.kernels or ()) - {e.name for e in REGISTRY}
     if unknown:
-        raise SystemExit(f"error: unknown kernel(s) {sorted(unknown)}; registered: {[e.name for e in REGISTRY]}")
+        usage_error(f"unknown kernel(s) {sorted(unknown)}; registered: {[e.name for e in REGISTRY]}")
     full = args.subset == "full"
     arches = args.targets or list(FULL_TARGETS if full else CI_TARGETS)
     targets = [TARGETS[a] for a in arches]
@@ -534,12 +543,19 @@ def run(args) -> int:
         for case in cases:
             planned += 1
             for target in targets:
-                spec = compiler.specialise(case.launch, target.arch)
+                try:
+                    spec = compiler.specialise(case.launch, target.arch)
+                except Exception as exc:  # noqa: BLE001 - Triton rejects the launch itself (e.g. its options)
+                    spec = exc
                 key = (target.arch, case.kernel, repr(spec), repr(case.launch.config))
                 if key in seen:  # a call that specialises to an already compiled binary
                     continue
                 seen.add(key)
-                res = compiler.compile(case, target, spec)
+                if isinstance(spec, Exception):
+                    res = Result(case.kernel, target.name, config_label(case.launch.config), case.variant, case.width,
+                                 asdict(case.launch.config), problems=[f"launch rejected: {type(spec).__name__}: {spec}"[:300]])
+                else:
+                    res = compiler.compile(case, target, spec)
                 results.append(res)
                 if res.problems:
                     print(f"  FAIL {res.kernel} {res.target} {res.config} width {res.width} {res.variant}: {'; '.join(res.problems)}", flush=True)
