@@ -15,6 +15,11 @@ Design:
   accumulates its rows' weight/bias gradients in float32 into its own row of a partials buffer,
   which ``torch.sum`` then reduces. No atomics: the result is bitwise deterministic for a given
   shape and device. The downstream gradient of the new residual is added to ``dx`` in the same pass.
+  Rows are held in registers up to 8192 wide when the width is a multiple of 16, up to 4096
+  otherwise (unvectorised loads need about twice the registers); wider rows loop over blocks.
+* Launch parameters (block, warps) come from :func:`forward_launch_config` /
+  :func:`backward_launch_config`, chosen from the compiled resource usage that
+  ``benchmarks/triton_aot.py`` reports for sm_80/sm_90/sm_100 (no spills, occupancy stated).
 * No autotuning (deterministic launch parameters; the interpreter rejects multi-config autotune).
 """
 
