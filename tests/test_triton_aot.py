@@ -1,8 +1,9 @@
 """The ahead-of-time compile check of the Triton kernels (benchmarks/triton_aot.py).
 
 Each test runs the script in a subprocess, as CI does: it needs ``TRITON_INTERPRET`` unset when
-triton is imported, while other test modules set it in this process. The CI subset takes about
-1.5 minutes on 2 cores; the full sweep (``slow``) about 20.
+triton is imported, while other test modules set it in this process. Measured on the project's
+2-core machine (shared): the CI subset (270 binaries, sm_80/sm_90/sm_100) 104 s, this file without
+``slow`` 2 min 16 s; the full sweep (``slow``: 2886 binaries, sm_80/sm_90) 16.6 minutes.
 """
 
 from __future__ import annotations
