@@ -111,7 +111,7 @@ CI_TARGETS = (80, 90, 100)
 FULL_TARGETS = (80, 90)  # the full sweep's default: about 8 minutes per target on 2 cores
 
 # Copy bandwidth (bytes read + written per second) for the roofline.
-# H200: measured device-to-device copy on the lent device (docs/shared reference peers.md).
+# H200: the device-to-device copy measured on the H200 once lent to this project.
 # A100-SXM4-80GB: NVIDIA's datasheet peak is 2039 GB/s; the H200's measured copy is 4.3/4.8 = 90%
 # of its datasheet peak, and the same fraction is assumed here (1.83 TB/s; not measured).
 BANDWIDTH = {"H200": 4.3e12, "A100": 2039e9 * 4.3 / 4.8}
@@ -159,11 +159,13 @@ def primary_width(reps: dict[str, int]) -> str:
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (residual given, residual_in_fp32, residual dtype: "x" or "fp32"): the fused-add variants a
-# model can call. "add+res_fp32" is a pre-norm block after the first, whose stream is float32.
+# model can call. With residual_in_fp32 the first block's stream still has x's dtype
+# ("add+res_fp32(first)"); every later block's stream is float32 ("add+res_fp32").
 RESIDUAL_MODES = {
     "ln": (False, False, None),
     "ln+res_fp32": (False, True, None),
     "add": (True, False, "x"),
+    "add+res_fp32(first)": (True, True, "x"),
     "add+res_fp32": (True, True, "fp32"),
 }
 AFFINES = {"none": (False, False), "w": (True, False), "w+b": (True, True), "b": (False, True)}
@@ -535,7 +537,7 @@ def run(args) -> int:
             c for e in entries for c in e.cases(full)
             if (full or c.ci) and (not args.dtypes or c.variant.split()[0] in args.dtypes) and lo <= c.width <= hi
         )
-        print(f"triton {compiler.triton.__version__}, targets {', '.join(t.name for t in targets)}, subset {args.subset}"
+        print(f"triton {compiler.triton.__version__}, targets {', '.join(f'{t.name} ({t.gpus})' for t in targets)}, subset {args.subset}"
               + (f", overrides {overrides}" if overrides else ""), flush=True)
         results: list[Result] = []
         seen: set[tuple] = set()

@@ -85,7 +85,7 @@ def test_full_sweep_compiles_every_launch_without_spills(tmp_path):
     proc, record = run_aot("--subset", "full", timeout=3600, tmp_path=tmp_path)
     assert_clean_sweep(proc, record, ["sm_80", "sm_90"])
     variants = {r["variant"] for r in record["results"]}
-    for needed in ("bf16 add+res_fp32 w+b", "fp16 ln+res_fp32 none", "bf16 add w+b autocast",
+    for needed in ("bf16 add+res_fp32 w+b", "bf16 add+res_fp32(first) w", "fp16 ln+res_fp32 none", "bf16 add w+b autocast",
                    "fp32 add b frozen", "bf16 add w+b [unaligned width]", "bf16 add w+b [rows_per_program=1]"):
         assert needed in variants, needed
     print(f"full sweep: {len(record['results'])} binaries in {record['wall_s']:.0f} s")
