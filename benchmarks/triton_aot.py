@@ -206,7 +206,7 @@ def _plan_forward_call(ops, rows: int, n: int, call: dict):
 def layer_norm_forward_cases(full: bool) -> Iterator[Case]:
     from ln_lightning.norm import _triton_ops as ops
 
-    for config, reps in bucket_widths(ops.forward_launch_config).items():
+    for reps in bucket_widths(ops.forward_launch_config).values():
         for label, ci, call in _layer_norm_calls(full):
             primary = primary_width(reps)
             kinds = [k for k in ("aligned", "unaligned", "one") if k in reps] if (full and ci) else [primary]
@@ -223,7 +223,7 @@ def layer_norm_backward_cases(full: bool) -> Iterator[Case]:
     # rows -> rows_per_program on the planning device (CPU: min(rows, 4) programs): 8 -> 2 (the
     # common case), 1 -> 1 (a constant to Triton), 64 -> 16 (16-divisible); on a GPU the same three
     # specialisations occur (programs = SMs x BWD_PROGRAMS_PER_SM).
-    for config, reps in bucket_widths(ops.backward_launch_config).items():
+    for reps in bucket_widths(ops.backward_launch_config).values():
         for label, ci, call in _layer_norm_calls(full):
             grad_modes = [True, False] if (full and (call["weight"] or call["bias"])) else [True]
             for grads in grad_modes:
@@ -421,7 +421,7 @@ def resource_table(results: list[Result]) -> list[str]:
     lines = [head, "-" * len(head)]
 
     def key(item):
-        (kernel, target, config), rs = item
+        (kernel, target, _config), rs = item
         return kernel, int(target[3:]), min(r.width for r in rs)
 
     for (kernel, target, config), rs in sorted(groups.items(), key=key):

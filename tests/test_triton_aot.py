@@ -32,7 +32,7 @@ def run_aot(*args: str, timeout: int, tmp_path: Path, interpret: bool = False) -
         env["TRITON_INTERPRET"] = "1"  # the script must ignore it (it compiles, never interprets)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return proc, (json.loads(out.read_text()) if out.exists() else {})
 
 
