@@ -287,13 +287,14 @@ def run_bandwidth(device) -> None:
     else:
         check("fused add+norm fwd+bwd >= 1.0x torch.compile", False, "torch.compile baseline failed to run")
 
-    # informative: sweep the backward launch tunables at this shape (defaults are untuned guesses)
+    # informative: sweep the backward launch tunables at this shape (the defaults were chosen from
+    # compiled resources by benchmarks/triton_aot.py, never timed on a GPU)
     try:
         from ln_lightning.norm import _triton_ops as tops
 
         defaults = (tops.BWD_PROGRAMS_PER_SM, tops.BWD_NUM_WARPS, tops.BWD_NUM_STAGES)
         sweep = {}
-        for per_sm, warps, stages in [(p, w, 0) for p in (1, 2, 4, 8) for w in (4, 8, 16)] + [
+        for per_sm, warps, stages in [(p, w, 0) for p in (1, 2, 4, 8) for w in (4, 8, 16, 32)] + [
             (p, w, st) for p, w in ((1, 8), (2, 8), (1, 16)) for st in (1, 2, 3)
         ]:
             if time.time() - T0 > 150:

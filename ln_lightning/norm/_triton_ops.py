@@ -15,12 +15,18 @@ Design:
   accumulates its rows' weight/bias gradients in float32 into its own row of a partials buffer,
   which ``torch.sum`` then reduces. No atomics: the result is bitwise deterministic for a given
   shape and device. The downstream gradient of the new residual is added to ``dx`` in the same pass.
+  Rows are held in registers up to 8192 wide when the width is a multiple of 16, up to 4096
+  otherwise (unvectorised loads need about twice the registers); wider rows loop over blocks.
+* Launch parameters (block, warps) come from :func:`forward_launch_config` /
+  :func:`backward_launch_config`, chosen from the compiled resource usage that
+  ``benchmarks/triton_aot.py`` reports for sm_80/sm_90/sm_100 (no spills, occupancy stated).
 * No autotuning (deterministic launch parameters; the interpreter rejects multi-config autotune).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import triton
@@ -38,6 +44,12 @@ BWD_PROGRAMS_PER_SM = 2
 FWD_NUM_WARPS = 0
 BWD_NUM_WARPS = 0
 BWD_NUM_STAGES = 0  # 0: Triton's default software-pipelining depth for the row loop
+BWD_UNALIGNED_MAX_SINGLE_BLOCK = 4096  # the backward's widest register-held row whose width % 16 != 0
+# The module attributes above that decide launches (benchmarks/triton_aot.py --set overrides them).
+LAUNCH_TUNABLES = (
+    "MAX_SINGLE_BLOCK", "LOOP_BLOCK", "BWD_PROGRAMS_PER_SM", "FWD_NUM_WARPS", "BWD_NUM_WARPS", "BWD_NUM_STAGES",
+    "BWD_UNALIGNED_MAX_SINGLE_BLOCK",
+)
 
 
 @triton.jit
@@ -242,13 +254,71 @@ def _bwd_kernel(
                     tl.store(DB_PART + part + c, db_old + dy, mask=mask)
 
 
-def _launch_config(n: int) -> tuple[int, bool, int]:
-    """(BLOCK_N, single_block, num_warps) for a row width ``n``."""
-    block = triton.next_power_of_2(max(n, 1))
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a kernel is compiled and launched for one row width (a "width bucket")."""
+
+    block_n: int  # BLOCK_N: the row (single_block) or the loop's block, a power of two
+    single_block: bool  # the whole row is held in registers
+    num_warps: int
+    num_stages: int = 0  # 0: Triton's default software-pipelining depth
+
+    def options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, **({"num_stages": self.num_stages} if self.num_stages else {})}
+
+
+def _width_bucket(n_cols: int) -> tuple[int, bool]:
+    block = triton.next_power_of_2(max(n_cols, 1))
     if block <= MAX_SINGLE_BLOCK:
-        # Liger-Kernel's width heuristic (known-good on H100); GPU sessions can sweep it.
-        return block, True, 16 if block >= 8192 else 8 if block >= 2048 else 4
-    return LOOP_BLOCK, False, 8
+        return block, True
+    return LOOP_BLOCK, False
+
+
+def forward_launch_config(n_cols: int) -> LaunchConfig:
+    """The forward kernel's launch for rows ``n_cols`` wide (the runtime and the AOT check share it)."""
+    block, single = _width_bucket(n_cols)
+    # Liger-Kernel's width heuristic (known-good on H100); GPU sessions can sweep it.
+    warps = (16 if block >= 8192 else 8 if block >= 2048 else 4) if single else 8
+    return LaunchConfig(block, single, FWD_NUM_WARPS or warps)
+
+
+def backward_launch_config(n_cols: int) -> LaunchConfig:
+    """The backward kernel's launch for rows ``n_cols`` wide (the runtime and the AOT check share it).
+
+    Chosen from the compiled resources (``benchmarks/triton_aot.py --subset full``, sm_80/sm_90;
+    README "Triton kernels compiled ahead of time"): the backward keeps about six row-sized float32
+    values per element live, so at 4096 it takes 32 warps (at most 63 registers, 50% occupancy; 8
+    warps needed up to 208, 12%, and spilled once), and at 8192 16 warps (0 spills for widths that
+    are multiples of 16; 32 warps spill). The loop kernel takes 4 warps: 8 and 16 spilled a few
+    bytes in one variant each under Triton's ptxas flags, and with 4 every variant still keeps
+    ``BWD_PROGRAMS_PER_SM`` blocks resident; the bytes in flight per program are set by the block,
+    not the warps.
+    """
+    block, single = _width_bucket(n_cols)
+    if single and block > BWD_UNALIGNED_MAX_SINGLE_BLOCK and n_cols % 16:
+        # Widths that aren't a multiple of 16 get no 16-byte vector loads (one address per element):
+        # past this block their row does not fit in registers (spills at 16 and 32 warps).
+        block, single = LOOP_BLOCK, False
+    if not single:
+        warps = 4
+    else:
+        warps = 32 if block == 4096 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return LaunchConfig(block, single, BWD_NUM_WARPS or warps, BWD_NUM_STAGES)
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch, fully decided but not run: what the runtime launches and the AOT check
+    (benchmarks/triton_aot.py) compiles for named GPU targets."""
+
+    kernel: triton.runtime.JITFunction
+    grid: tuple[int, ...]
+    args: tuple  # the runtime arguments, in the kernel's order
+    constexprs: dict[str, Any]
+    config: LaunchConfig
+
+    def kwargs(self) -> dict[str, Any]:
+        return {**self.constexprs, **self.config.options()}
 
 
 def _num_programs(rows: int, device: torch.device) -> int:
@@ -264,7 +334,7 @@ def _check_triton_dtypes(*tensors: Optional[Tensor]) -> None:
             raise TypeError(f"the Triton LayerNorm kernels take float32/float16/bfloat16, got {t.dtype}")
 
 
-def triton_add_layer_norm_impl(
+def plan_forward(
     x: Tensor,
     residual: Optional[Tensor],
     weight: Optional[Tensor],
@@ -272,7 +342,9 @@ def triton_add_layer_norm_impl(
     eps: float,
     residual_in_fp32: bool,
     y_fp32: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Optional[KernelLaunch]]:
+    """The forward's outputs ``(y, h, mean, rstd)`` (allocated, not yet written) and its kernel
+    launch (``None`` when there are no rows)."""
     _check_triton_dtypes(x, residual)
     rows, n = x.shape
     stored = _common.stores_residual(x, residual, residual_in_fp32)
@@ -282,22 +354,80 @@ def triton_add_layer_norm_impl(
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
-        return y, h, mean, rstd
-    block, single, warps = _launch_config(n)
+        return (y, h, mean, rstd), None
+    config = forward_launch_config(n)
     # Absent operands get their own empty tensors (never dereferenced): aliasing real ones would
     # confuse torch.compile's analysis of what the kernel reads and writes.
     r_arg = residual if residual is not None else x.new_empty((0, n))
     h_arg = h if stored else y.new_empty((0, n))
-    wrap_triton(_fwd_kernel)[(rows,)](
+    args = (
         x, r_arg, weight if weight is not None else x.new_empty(0), bias if bias is not None else x.new_empty(0),
         y, h_arg, mean, rstd,
         x.stride(0), n, y.stride(0), n,
         n, eps,
+    )
+    constexprs = dict(
         HAS_RESIDUAL=residual is not None, STORE_H=stored,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block, SINGLE_BLOCK=single, num_warps=FWD_NUM_WARPS or warps,
+        BLOCK_N=config.block_n, SINGLE_BLOCK=config.single_block,
     )
-    return y, h, mean, rstd
+    return (y, h, mean, rstd), KernelLaunch(_fwd_kernel, (rows,), args, constexprs, config)
+
+
+def triton_add_layer_norm_impl(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    residual_in_fp32: bool,
+    y_fp32: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    outputs, launch = plan_forward(x, residual, weight, bias, eps, residual_in_fp32, y_fp32)
+    if launch is not None:
+        wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs())
+    return outputs
+
+
+def plan_backward(
+    dy: Tensor,
+    dresidual: Optional[Tensor],
+    h: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    need_weight_grad: bool,
+    need_bias_grad: bool,
+) -> tuple[tuple[Tensor, Tensor, Tensor], Optional[KernelLaunch]]:
+    """The backward's ``(dh, dweight_partials, dbias_partials)`` (allocated, not yet written) and
+    its kernel launch (``None`` when there are no rows)."""
+    rows, n = h.shape
+    need_w = need_weight_grad and weight is not None
+    need_b = need_bias_grad and bias is not None
+    dh = torch.empty_like(h)
+    programs = _num_programs(rows, h.device)
+    config = backward_launch_config(n)
+    # float32 partial sums, one row per program; the loop kernel accumulates into them.
+    alloc = torch.empty if config.single_block else torch.zeros
+    dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_w else h.new_empty(0, dtype=torch.float32)
+    db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_b else h.new_empty(0, dtype=torch.float32)
+    if rows == 0:
+        return (dh, dw_part, db_part), None
+    rows_per_program = triton.cdiv(rows, programs)
+    dres_arg = dresidual if dresidual is not None else dy.new_empty((0, n))
+    args = (
+        dy, dres_arg, h, weight if weight is not None else h.new_empty(0), mean, rstd,
+        dh, dw_part, db_part,
+        dy.stride(0), n, h.stride(0), dh.stride(0),
+        rows, n, rows_per_program,
+    )
+    constexprs = dict(
+        HAS_DRES=dresidual is not None, HAS_WEIGHT=weight is not None,
+        NEED_DW=need_w, NEED_DB=need_b,
+        BLOCK_N=config.block_n, SINGLE_BLOCK=config.single_block,
+    )
+    return (dh, dw_part, db_part), KernelLaunch(_bwd_kernel, (programs,), args, constexprs, config)
 
 
 def triton_add_layer_norm_backward_impl(
@@ -311,32 +441,16 @@ def triton_add_layer_norm_backward_impl(
     need_weight_grad: bool,
     need_bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    rows, n = h.shape
-    need_w = need_weight_grad and weight is not None
-    need_b = need_bias_grad and bias is not None
-    dh = torch.empty_like(h)
-    programs = _num_programs(rows, h.device)
-    block, single, warps = _launch_config(n)
-    # float32 partial sums, one row per program; the loop kernel accumulates into them.
-    alloc = torch.empty if single else torch.zeros
-    dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_w else h.new_empty(0, dtype=torch.float32)
-    db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_b else h.new_empty(0, dtype=torch.float32)
-    if rows > 0:
-        rows_per_program = triton.cdiv(rows, programs)
-        dres_arg = dresidual if dresidual is not None else dy.new_empty((0, n))
-        wrap_triton(_bwd_kernel)[(programs,)](
-            dy, dres_arg, h, weight if weight is not None else h.new_empty(0), mean, rstd,
-            dh, dw_part, db_part,
-            dy.stride(0), n, h.stride(0), dh.stride(0),
-            rows, n, rows_per_program,
-            HAS_DRES=dresidual is not None, HAS_WEIGHT=weight is not None,
-            NEED_DW=need_w, NEED_DB=need_b,
-            BLOCK_N=block, SINGLE_BLOCK=single, num_warps=BWD_NUM_WARPS or warps,
-            **({"num_stages": BWD_NUM_STAGES} if BWD_NUM_STAGES else {}),
-        )
+    (dh, dw_part, db_part), launch = plan_backward(
+        dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad
+    )
+    if launch is not None:
+        wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs())
     else:  # no rows: the partials must read as zero
         dw_part.zero_()
         db_part.zero_()
+    need_w = need_weight_grad and weight is not None
+    need_b = need_bias_grad and bias is not None
     dw = dw_part.sum(0).to(weight.dtype) if need_w else h.new_empty(0)
     db = db_part.sum(0).to(bias.dtype) if need_b else h.new_empty(0)
     return dh, dw, db
