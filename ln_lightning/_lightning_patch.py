@@ -58,6 +58,11 @@ def _unsupported_version_message(version: str) -> str:
 _NAMESPACES = {"lightning": "lightning" ".pytorch", "pytorch_lightning": "pytorch_lightning"}
 
 
+def namespace_of(cls: type) -> str:
+    """The Lightning namespace (`lightning.pytorch` or `pytorch_lightning`) a Lightning class comes from."""
+    return _NAMESPACES.get(cls.__module__.partition(".")[0], cls.__module__.partition(".")[0])
+
+
 def _namespace(cls: type) -> str | None:
     """The Lightning namespace a Trainer class comes from; None for anything else."""
     root, _, rest = cls.__module__.partition(".")

@@ -401,9 +401,17 @@ class LNPlacement(LayerSync, Callback):
 
     def __repr__(self) -> str:
         extra = f", layer_sync={self.layer_sync!r}" if self.layer_sync is not None else ""
+        # Lightning's own "Found invalid type for plugin ..." refusal of a plugin from the other namespace
+        # prints this: it names this object's namespace and where the other one's LNPlacement lives.
+        # (The names are split so the pytorch_lightning copy of this module, made by renaming, keeps them.)
+        lightning, pl = "lightning" ".pytorch", "pytorch" "_lightning"
+        ours = _lightning_patch.namespace_of(LayerSync)
+        other = pl if ours == lightning else lightning
+        source = "ln_lightning." + pl if other == pl else "ln_lightning"
         return (
             f"LNPlacement({self.placement!r}, final_norm={self.final_norm}, branch_scale={self.branch_scale!r}, "
-            f"fused={self.fused}, strict={self.strict}{extra})"
+            f"fused={self.fused}, strict={self.strict}{extra}) [built for {ours} Trainers; a {other} Trainer "
+            f"needs `from {source} import LNPlacement`]"
         )
 
     # ------------------------------------------------------------------ the rewrite

@@ -143,9 +143,11 @@ def test_mixing_namespaces_in_one_trainer_names_both(ns, make, tmp_path):
 
 def test_other_namespaces_plugin_is_refused_by_the_trainer(ns, tmp_path):
     # As a plugin, the foreign LNPlacement never reaches ln_lightning: Lightning's own type check refuses it
-    # at Trainer(...), naming the object (the callback form above gets ln_lightning's error naming both).
+    # at Trainer(...), printing the object, whose repr names both namespaces and the import to use.
     other = namespace(ns.other)
-    with pytest.raises(Exception, match="Found invalid type for plugin LNPlacement"):
+    source = "ln_lightning.pytorch_lightning" if ns.name == "pytorch_lightning" else "ln_lightning"
+    with pytest.raises(Exception, match=rf"Found invalid type for plugin LNPlacement.*built for {ns.other} Trainers; "
+                                        rf"a {ns.name} Trainer needs `from {source} import LNPlacement`"):
         _trainer(ns, tmp_path, plugins=[other.ln.LNPlacement()])
 
 
