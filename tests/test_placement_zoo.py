@@ -284,6 +284,23 @@ PRE_NORM = [
 ]
 
 
+@pytest.mark.parametrize("name, build, example, final", PRE_NORM, ids=[p[0] for p in PRE_NORM])
+def test_pre_norm_families_are_reported_already_pre_with_their_final_norm(name, build, example, final):
+    torch.manual_seed(0)
+    model = build()
+    ex = example() if example else None
+    report = inspect_model(model, example_input=ex)
+    assert report.blocks and {b.placement for b in report.blocks} == {"pre"}, str(report)
+    assert final in [s.final_norm for s in report.stacks], str(report)
+    before = copy.deepcopy(model.state_dict())
+    conv = convert(model, "pre", example_input=ex)
+    assert not conv.changed and {b.status for b in conv.blocks} == {"already"}, str(conv)
+    assert model.state_dict().keys() == before.keys()
+    post = convert(model, "post", example_input=ex)
+    assert not post.changed and all("can only undo its own rewrite" in b.reason for b in post.skipped), str(post)
+    RESULTS.append((name, "already pre", "-", 0.0))
+
+
 @pytest.mark.parametrize("name, build, placement", [
     ("gemma2", lambda: T.Gemma2Model(T.Gemma2Config(**LLM, head_dim=16)), "peri"),
     ("gemma3", lambda: T.Gemma3TextModel(T.Gemma3TextConfig(**LLM, head_dim=16)), "peri"),
@@ -306,9 +323,9 @@ def test_llm_placements_are_reported(name, build, placement):
 
 def teardown_module(module):
     if RESULTS:
-        print("\nfamily                          status       reference                  max rel. error")
+        print("\nfamily                                 status           reference                  max rel. error")
         for name, status, ref, err in RESULTS:
-            print(f"{name:31s} {status:12s} {ref:26s} {err:.1e}")
+            print(f"{name:38s} {status:16s} {ref:26s} {err:.1e}")
 
 
 @pytest.mark.parametrize("kind", ["Encoder", "Decoder"])
