@@ -82,6 +82,8 @@ def test_ci_subset_compiles_every_bucket_without_spills(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("LN_LIGHTNING_AOT_FULL") != "1",
+                    reason="the full sweep takes about 20 minutes: run it with LN_LIGHTNING_AOT_FULL=1 (CI runs the subset)")
 def test_full_sweep_compiles_every_launch_without_spills(tmp_path):
     proc, record = run_aot("--subset", "full", timeout=3600, tmp_path=tmp_path)
     assert_clean_sweep(proc, record, ["sm_80", "sm_90"])
