@@ -123,7 +123,8 @@ def fused_add_layer_norm(
         x: the sublayer output (any shape ``(..., *normalized_shape)``).
         residual: the residual stream, same shape as ``x``, or ``None``: then this is a plain
             LayerNorm and ``new_residual`` is ``x`` itself (a float32 copy if ``residual_in_fp32``).
-        weight, bias: the affine parameters of shape ``normalized_shape``, or ``None``.
+        weight: the affine weight, of shape ``normalized_shape``, or ``None``.
+        bias: the affine bias, of shape ``normalized_shape``, or ``None``.
         eps: added to the variance.
         residual_in_fp32: keep ``new_residual`` in float32 (the sum is computed in float32 too).
             Otherwise its dtype is ``torch.promote_types(x.dtype, residual.dtype)``.

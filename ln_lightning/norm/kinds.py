@@ -58,7 +58,8 @@ class NormSpec:
             (divide by the root mean square).
         eps: added to the variance / mean square; ``None`` for ``nn.RMSNorm(eps=None)``, which
             uses ``torch.finfo(input.dtype).eps`` at call time.
-        weight, bias: the module's own tensors (the very objects, not copies), or ``None``.
+        weight: the module's own weight tensor (the very object, not a copy), or ``None``.
+        bias: the module's own bias tensor, or ``None``.
         unit_offset: the weight is applied as ``1 + weight`` (Gemma 2/3).
         cast_order: for RMSNorm, how the normalised value meets the weight in half precision:
             ``"fp32"`` (``(n * w.float()).to(x.dtype)``: nn.RMSNorm, Gemma, OLMo 2), ``"llama"``
