@@ -113,7 +113,7 @@ class DeferredNorm:
 
     def __reduce_ex__(self, protocol):
         # The class is made at run time; pickle the instance as "base class + state" instead.
-        return _rebuild_deferred, (type(self).__mro__[2], self.__dict__)
+        return _rebuild_mixed, (DeferredNorm, type(self).__mro__[2], self.__dict__)
 
 
 def _add_hook(hooks_dict, kw_dict, hook, prepend, with_kwargs):
@@ -126,21 +126,31 @@ def _add_hook(hooks_dict, kw_dict, hook, prepend, with_kwargs):
     return handle
 
 
-_deferred_classes: dict[type, type] = {}
+_mixed_classes: dict[tuple[type, type], type] = {}
 
 
-def _deferred_class(base: type) -> type:
-    cls = _deferred_classes.get(base)
+def _mixed_class(mixin: type, base: type) -> type:
+    """`<Mixin><Base>(mixin, base)`, made once per pair (made at run time: see `__reduce_ex__`)."""
+    cls = _mixed_classes.get((mixin, base))
     if cls is None:
-        cls = type(f"Deferred{base.__name__}", (DeferredNorm, base), {"__module__": __name__})
-        _deferred_classes[base] = cls
+        cls = type(f"{mixin.__name__.removesuffix('Norm')}{base.__name__}", (mixin, base), {"__module__": __name__})
+        _mixed_classes[(mixin, base)] = cls
     return cls
 
 
-def _rebuild_deferred(base: type, state: dict) -> nn.Module:
-    obj = _deferred_class(base).__new__(_deferred_class(base))
+def _rebuild_mixed(mixin: type, base: type, state: dict) -> nn.Module:
+    cls = _mixed_class(mixin, base)
+    obj = cls.__new__(cls)
     obj.__dict__.update(state)
     return obj
+
+
+def _deferred_class(base: type) -> type:
+    return _mixed_class(DeferredNorm, base)
+
+
+def _rebuild_deferred(base: type, state: dict) -> nn.Module:  # what pickles written by 0.1.0 call
+    return _rebuild_mixed(DeferredNorm, base, state)
 
 
 def defer_norm(norm: nn.Module) -> None:
@@ -180,28 +190,11 @@ class BypassableNorm:
         return super().forward(x, *args, **kwargs)
 
     def __reduce_ex__(self, protocol):
-        return _rebuild_bypassable, (type(self).__mro__[2], self.__dict__)
-
-
-_bypassable_classes: dict[type, type] = {}
-
-
-def _bypassable_class(base: type) -> type:
-    cls = _bypassable_classes.get(base)
-    if cls is None:
-        cls = type(f"Bypassable{base.__name__}", (BypassableNorm, base), {"__module__": __name__})
-        _bypassable_classes[base] = cls
-    return cls
-
-
-def _rebuild_bypassable(base: type, state: dict) -> nn.Module:
-    obj = _bypassable_class(base).__new__(_bypassable_class(base))
-    obj.__dict__.update(state)
-    return obj
+        return _rebuild_mixed, (BypassableNorm, type(self).__mro__[2], self.__dict__)
 
 
 def make_bypassable(norm: nn.Module) -> None:
-    norm.__class__ = _bypassable_class(type(norm))
+    norm.__class__ = _mixed_class(BypassableNorm, type(norm))
 
 
 def is_deferred(norm: nn.Module) -> bool:
@@ -263,6 +256,15 @@ class NormalizeBranchInput:
         return self.norm.normalize(t)
 
 
+def _with_branch_value(output, index: int | None, value):
+    """A branch exit's output with its branch value (the output, or `output[index]`) replaced."""
+    if index is None:
+        return value
+    out = list(output)
+    out[index] = value
+    return type(output)(out) if isinstance(output, tuple) else out
+
+
 class NormalizeBranchOutput:
     """Forward hook on a branch exit: output (or `output[index]`) -> a norm of it.
 
@@ -278,12 +280,7 @@ class NormalizeBranchOutput:
         if _bypassed():
             return None
         value = output if self.index is None else output[self.index]
-        value = self.norm.normalize(value) if self.deferred else self.norm(value)
-        if self.index is None:
-            return value
-        out = list(output)
-        out[self.index] = value
-        return type(output)(out) if isinstance(output, tuple) else out
+        return _with_branch_value(output, self.index, self.norm.normalize(value) if self.deferred else self.norm(value))
 
 
 class ScaleBranchOutput:
@@ -299,12 +296,7 @@ class ScaleBranchOutput:
         if self.scale is None:
             return None
         value = output if self.index is None else output[self.index]
-        value = self.scale(value)
-        if self.index is None:
-            return value
-        out = list(output)
-        out[self.index] = value
-        return type(output)(out) if isinstance(output, tuple) else out
+        return _with_branch_value(output, self.index, self.scale(value))
 
 
 def replace_stream(output, stream: torch.Tensor, new: torch.Tensor):
