@@ -19,18 +19,22 @@ target (occupancy above zero); 1 otherwise (every failure is listed, nothing is 
 usage error (e.g. no cuobjdump).
 
 Coverage. The launches come from the package itself: each registered kernel's ``cases`` function
-calls the runtime's planning code (``_triton_ops.plan_forward`` / ``plan_backward``, the functions
-the ops call before launching) on small CPU tensors, and the argument specialisation (dtypes,
+calls the runtime's planning code (``_triton_ops.plan_forward`` / ``plan_backward`` for LayerNorm,
+``_triton_rms.plan_forward`` / ``plan_backward`` for RMSNorm: the functions the ops call before
+launching) on small CPU tensors, and the argument specialisation (dtypes,
 16-byte divisibility, ints equal to 1) is computed by Triton's own JIT binder, as at a real launch.
 Width buckets are found by asking the dispatch (``forward_launch_config`` /
 ``backward_launch_config``) about every width 1..65536, so a changed heuristic is covered without
 editing this file. ``--subset ci`` compiles, for sm_80, sm_90 and sm_100, every bucket and dtype
-with the common fused call (fused add, weight and bias, gradients; 270 binaries, about 100 s on 2
-cores). ``--subset full`` (sm_80 and sm_90 by default: 3126 binaries, about 20 minutes) adds every call pattern
-(residual / residual_in_fp32 / affine / autocast / frozen parameters) and the specialisation
-variants (unaligned widths, rows_per_program == 1 or a multiple of 16, width 1).
+with the common fused call (LayerNorm: fused add, weight and bias, gradients; RMSNorm: fused add,
+weight, llama cast order, one dtype per bucket cycling fp32/fp16/bf16; 360 binaries, about 85 s
+on 2 cores). ``--subset full`` (sm_80 and sm_90 by default: 3126 LayerNorm binaries, about 20
+minutes, and about 3550 RMSNorm ones, 13 minutes) adds every call pattern (residual /
+residual_in_fp32 / affine / autocast / frozen parameters; for RMSNorm the weight's dtype, the cast
+order and the weight offset) and the specialisation variants (unaligned widths, rows_per_program
+== 1 or a multiple of 16, width 1).
 
-Adding a kernel (e.g. the RMSNorm kernels of ``ln_lightning/norm/_triton_rms.py``): give its module
+Adding a kernel (as the RMSNorm kernels of ``ln_lightning/norm/_triton_rms.py`` were): give its module
 ``plan_*`` functions returning a ``KernelLaunch`` as ``_triton_ops`` does, write a ``cases()``
 generator yielding :class:`Case` objects from them (see ``layer_norm_forward_cases``) and a
 ``roofline(rows, cols, dtype, programs)`` function returning ``{label: bytes}``, and append one

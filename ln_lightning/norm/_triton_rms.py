@@ -31,6 +31,7 @@ from ._triton_ops import KernelLaunch, LaunchConfig, _cast
 MAX_SINGLE_BLOCK = 8192  # widest row held in registers; wider rows are processed in blocks
 LOOP_BLOCK = 4096
 BWD_PROGRAMS_PER_SM = 2
+BWD_UNALIGNED_MAX_SINGLE_BLOCK = 4096  # the backward's widest register-held row whose width % 16 != 0
 
 # ROUND codes: 0 none, 1 round n to x's dtype, 2 to the weight's (see _rms_common.CAST_ORDERS).
 _ROUND_NONE, _ROUND_X, _ROUND_W = 0, 1, 2
@@ -194,14 +195,20 @@ def forward_launch_config(n: int) -> LaunchConfig:
 def backward_launch_config(n: int) -> LaunchConfig:
     """The backward kernel's launch for rows ``n`` wide (the runtime and the AOT check share it).
 
-    The forward's, except at block 1024: with 4 warps the backward (h, dy, the weight and the
-    dweight accumulator row-sized, 8 float32 values each per thread) spilled 4 bytes on sm_80 in
-    most fp16/bf16 calls (``benchmarks/triton_aot.py --subset full``, 56-64 registers, 8 B stack);
-    8 warps halve the values per thread (README "Triton kernels compiled ahead of time").
+    Chosen from the compiled resources (``benchmarks/triton_aot.py --subset full``, sm_80/sm_90;
+    README "Triton kernels compiled ahead of time"): the forward's launch spilled in the backward
+    at block 1024 (4 warps), 2048 and 4096 (8 warps): 4 B per thread on sm_80 in some calls, at
+    48-64 registers; 1024 now takes 8 warps, 2048 and 4096 16 (no spills on sm_80/sm_90).
     """
     block, single, warps = launch_config(n)
+    if single and block > BWD_UNALIGNED_MAX_SINGLE_BLOCK and n % 16:
+        # Widths that aren't a multiple of 16 get no 16-byte vector loads: past this block their
+        # row does not fit in registers (56-168 B of spills at 8192, 16 warps), as in _triton_ops.
+        return LaunchConfig(LOOP_BLOCK, False, 8)
     if single and block == 1024:
         warps = 8
+    elif single and block in (2048, 4096):
+        warps = 16
     return LaunchConfig(block, single, warps)
 
 
