@@ -19,18 +19,22 @@ target (occupancy above zero); 1 otherwise (every failure is listed, nothing is 
 usage error (e.g. no cuobjdump).
 
 Coverage. The launches come from the package itself: each registered kernel's ``cases`` function
-calls the runtime's planning code (``_triton_ops.plan_forward`` / ``plan_backward``, the functions
-the ops call before launching) on small CPU tensors, and the argument specialisation (dtypes,
+calls the runtime's planning code (``_triton_ops.plan_forward`` / ``plan_backward`` for LayerNorm,
+``_triton_rms.plan_forward`` / ``plan_backward`` for RMSNorm: the functions the ops call before
+launching) on small CPU tensors, and the argument specialisation (dtypes,
 16-byte divisibility, ints equal to 1) is computed by Triton's own JIT binder, as at a real launch.
 Width buckets are found by asking the dispatch (``forward_launch_config`` /
 ``backward_launch_config``) about every width 1..65536, so a changed heuristic is covered without
 editing this file. ``--subset ci`` compiles, for sm_80, sm_90 and sm_100, every bucket and dtype
-with the common fused call (fused add, weight and bias, gradients; 270 binaries, about 100 s on 2
-cores). ``--subset full`` (sm_80 and sm_90 by default: 3126 binaries, about 20 minutes) adds every call pattern
-(residual / residual_in_fp32 / affine / autocast / frozen parameters) and the specialisation
-variants (unaligned widths, rows_per_program == 1 or a multiple of 16, width 1).
+with the common fused call (LayerNorm: fused add, weight and bias, gradients; RMSNorm: fused add,
+weight, llama cast order, one dtype per bucket cycling fp32/fp16/bf16; 360 binaries, about 85 s
+on 2 cores). ``--subset full`` (sm_80 and sm_90 by default: 3126 LayerNorm binaries, about 20
+minutes, and about 3550 RMSNorm ones, 13 minutes) adds every call pattern (residual /
+residual_in_fp32 / affine / autocast / frozen parameters; for RMSNorm the weight's dtype, the cast
+order and the weight offset) and the specialisation variants (unaligned widths, rows_per_program
+== 1 or a multiple of 16, width 1).
 
-Adding a kernel (e.g. the RMSNorm kernels of ``ln_lightning/norm/_triton_rms.py``): give its module
+Adding a kernel (as the RMSNorm kernels of ``ln_lightning/norm/_triton_rms.py`` were): give its module
 ``plan_*`` functions returning a ``KernelLaunch`` as ``_triton_ops`` does, write a ``cases()``
 generator yielding :class:`Case` objects from them (see ``layer_norm_forward_cases``) and a
 ``roofline(rows, cols, dtype, programs)`` function returning ``{label: bytes}``, and append one
@@ -270,9 +274,121 @@ def layer_norm_backward_roofline(rows: int, cols: int, dtype: torch.dtype, progr
     }
 
 
+# RMSNorm (ln_lightning/norm/_triton_rms.py): (weight given, cast order, weight dtype: "x" or
+# "fp32" or the other reduced dtype). The cast order decides the ROUND constexpr: 0 (none), 1
+# (round n to x's dtype: llama, or t5 with a weight of x's dtype), 2 (to the weight's: t5 with a
+# reduced weight of another dtype); "offset" is Gemma's (1 + weight), a float argument.
+RMS_WEIGHTS = {
+    "none": (False, "fp32", "x"),
+    "w": (True, "fp32", "x"),
+    "w llama": (True, "llama", "x"),
+    "w t5": (True, "t5", "x"),
+    "w(fp32) llama": (True, "llama", "fp32"),
+    "w(fp32) t5": (True, "t5", "fp32"),
+    "w(other) t5": (True, "t5", "other"),
+}
+_OTHER_REDUCED = {torch.float32: torch.bfloat16, torch.float16: torch.bfloat16, torch.bfloat16: torch.float16}
+
+
+def _rms_calls(full: bool, bucket_index: int) -> Iterator[tuple[str, bool, bool, dict]]:
+    """(label, ci, fused, call options) of the RMSNorm forward calls, before widths. ``fused``: the
+    common fused call (fused add, weight of x's dtype, llama cast order), whose specialisation
+    variants the full sweep compiles in every dtype. The CI subset takes it in one dtype per
+    bucket, cycling fp32/fp16/bf16 over the buckets: every bucket and every dtype is compiled at
+    a third of the cost (the full sweep takes every dtype in every bucket)."""
+    names = list(DTYPES)
+    for dname, dtype in DTYPES.items():
+        for rname, (has_res, res_fp32, rdt) in RESIDUAL_MODES.items():
+            for wname, (has_w, cast, wdt) in RMS_WEIGHTS.items():
+                if wdt == "fp32" and dtype == torch.float32:
+                    continue  # the same call as "x"
+                fused = rname == "add" and wname == "w llama"
+                ci = fused and dname == names[bucket_index % len(names)]
+                if not (full or ci):
+                    continue
+                offsets = [0.0, 1.0] if (full and rname == "add" and wname == "w") else [0.0]
+                for offset in offsets:
+                    label = f"{dname} {rname} {wname}" + (" offset" if offset else "")
+                    yield label, ci and not offset, fused and not offset, dict(
+                        dtype=dtype, residual=has_res, residual_in_fp32=res_fp32,
+                        residual_dtype=torch.float32 if rdt == "fp32" else dtype, weight=has_w, cast=cast,
+                        param_dtype={"x": dtype, "fp32": torch.float32, "other": _OTHER_REDUCED[dtype]}[wdt],
+                        offset=offset,
+                    )
+
+
+def _plan_rms_forward_call(ops, rows: int, n: int, call: dict):
+    dtype = call["dtype"]
+    x = torch.empty(rows, n, dtype=dtype)
+    r = torch.empty(rows, n, dtype=call["residual_dtype"]) if call["residual"] else None
+    w = torch.empty(n, dtype=call["param_dtype"]) if call["weight"] else None
+    outputs, launch = ops.plan_forward(x, r, w, 1e-6, call["residual_in_fp32"], call["offset"], call["cast"])
+    return x, w, outputs, launch
+
+
+def rms_norm_forward_cases(full: bool) -> Iterator[Case]:
+    from ln_lightning.norm import _triton_rms as ops
+
+    for i, reps in enumerate(bucket_widths(ops.forward_launch_config).values()):
+        for label, ci, fused, call in _rms_calls(full, i):
+            primary = primary_width(reps)
+            kinds = [k for k in ("aligned", "unaligned", "one") if k in reps] if (full and fused) else [primary]
+            for kind in kinds:
+                n = reps[kind]
+                *_, launch = _plan_rms_forward_call(ops, 1, n, call)
+                yield Case("rms_norm_fwd", label + ("" if kind == "aligned" else f" [{kind} width]"), n, launch, ci and kind == primary)
+
+
+def rms_norm_backward_cases(full: bool) -> Iterator[Case]:
+    """The backward of each RMSNorm forward call, as ``_rms_common`` calls it."""
+    from ln_lightning.norm import _triton_rms as ops
+
+    for i, reps in enumerate(bucket_widths(ops.backward_launch_config).values()):
+        for label, ci, fused, call in _rms_calls(full, i):
+            grad_modes = [True, False] if (full and call["weight"]) else [True]
+            for grads in grad_modes:
+                primary = primary_width(reps)
+                variants = [(primary, 8)]
+                if full and fused and grads:
+                    variants += [(k, 8) for k in ("aligned", "unaligned", "one") if k in reps and k != primary]
+                    variants += [(primary, 1), (primary, 64)]
+                for kind, rows in variants:
+                    n = reps[kind]
+                    x, w, (y, h, rstd), _ = _plan_rms_forward_call(ops, rows, n, call)
+                    stored = h.numel() > 0
+                    dy = torch.empty_like(y)
+                    dres = torch.empty_like(h) if stored else None
+                    _, launch = ops.plan_backward(dy, dres, h if stored else x, rstd, w, call["offset"], grads)
+                    tag = "" if grads else " frozen"
+                    if kind != "aligned":
+                        tag += f" [{kind} width]"
+                    if rows != 8:
+                        tag += f" [rows_per_program={launch.args[-2]}]"
+                    yield Case("rms_norm_bwd", label + tag, n, launch, ci and grads and (kind, rows) == (primary, 8))
+
+
+def rms_norm_forward_roofline(rows: int, cols: int, dtype: torch.dtype, programs: int) -> dict[str, int]:
+    """Compulsory DRAM bytes: activations in/out, the weight once, float32 rstd per row."""
+    e, act, stats = _elt(dtype), rows * cols, 4 * rows
+    return {"add+RMS fwd (x, r -> y, h)": 4 * act * e + cols * e + stats, "RMS fwd (x -> y)": 2 * act * e + cols * e + stats}
+
+
+def rms_norm_backward_roofline(rows: int, cols: int, dtype: torch.dtype, programs: int) -> dict[str, int]:
+    """Compulsory DRAM bytes of the backward and its dweight reduction: activations in/out, weight,
+    rstd, float32 dweight partials (one row per program) written, then read and summed."""
+    e, act, stats = _elt(dtype), rows * cols, 4 * rows
+    partials = 2 * programs * cols * 4 + cols * 4
+    return {
+        "add+RMS bwd (dy, h, dh_next -> dh)": 4 * act * e + cols * e + stats + partials,
+        "RMS bwd (dy, x -> dx)": 3 * act * e + cols * e + stats + partials,
+    }
+
+
 REGISTRY: list[KernelEntry] = [
     KernelEntry("layer_norm_fwd", layer_norm_forward_cases, layer_norm_forward_roofline),
     KernelEntry("layer_norm_bwd", layer_norm_backward_cases, layer_norm_backward_roofline),
+    KernelEntry("rms_norm_fwd", rms_norm_forward_cases, rms_norm_forward_roofline),
+    KernelEntry("rms_norm_bwd", rms_norm_backward_cases, rms_norm_backward_roofline),
 ]
 
 # --------------------------------------------------------------------------- compiling

@@ -2,9 +2,9 @@
 
 Each test runs the script in a subprocess, as CI does: it needs ``TRITON_INTERPRET`` unset when
 triton is imported, while other test modules set it in this process. Measured on the project's
-2-core machine (shared): the CI subset (270 binaries, sm_80/sm_90/sm_100) 104 s, this file without
-``slow`` 2 min 16 s; the full sweep (``slow``, sm_80/sm_90: 3126 binaries) about 20 minutes (all
-three targets, 4689 binaries: 33 minutes).
+2-core machine (shared): the CI subset (LayerNorm and RMSNorm, 360 binaries, sm_80/sm_90/sm_100)
+85 s, this file without ``slow`` 2 min 1 s; the full sweep (``slow``, sm_80/sm_90: 3126 LayerNorm
+binaries, about 20 minutes, and about 3550 RMSNorm ones, 13 minutes).
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ def dispatch_buckets() -> dict[str, set[tuple]]:
     """The launch configs the runtime dispatch picks for widths 1..65536, asked in a fresh process
     (importing triton here would pre-empt the interpreter tests' TRITON_INTERPRET)."""
     code = (
-        "import json; from dataclasses import astuple; from ln_lightning.norm import _triton_ops as o\n"
+        "import json; from dataclasses import astuple\n"
+        "from ln_lightning.norm import _triton_ops as o, _triton_rms as r\n"
         "print(json.dumps({k: sorted({astuple(f(n)) for n in range(1, 65537)}) for k, f in "
-        "(('layer_norm_fwd', o.forward_launch_config), ('layer_norm_bwd', o.backward_launch_config))}))"
+        "(('layer_norm_fwd', o.forward_launch_config), ('layer_norm_bwd', o.backward_launch_config),"
+        " ('rms_norm_fwd', r.forward_launch_config), ('rms_norm_bwd', r.backward_launch_config))}))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -76,8 +78,9 @@ def assert_clean_sweep(proc, record, targets) -> None:
 def test_ci_subset_compiles_every_bucket_without_spills(tmp_path):
     proc, record = run_aot(timeout=600, tmp_path=tmp_path)
     assert_clean_sweep(proc, record, ["sm_80", "sm_90", "sm_100"])
-    dtypes = {r["variant"].split()[0] for r in record["results"]}
-    assert dtypes == {"fp32", "fp16", "bf16"}
+    for kernel in ("layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd"):
+        dtypes = {r["variant"].split()[0] for r in record["results"] if r["kernel"] == kernel}
+        assert dtypes == {"fp32", "fp16", "bf16"}, kernel
     print(f"CI subset: {len(record['results'])} binaries in {record['wall_s']:.0f} s")
 
 
@@ -89,7 +92,9 @@ def test_full_sweep_compiles_every_launch_without_spills(tmp_path):
     assert_clean_sweep(proc, record, ["sm_80", "sm_90"])
     variants = {r["variant"] for r in record["results"]}
     for needed in ("bf16 add+res_fp32 w+b", "bf16 add+res_fp32(first) w", "fp16 ln+res_fp32 none", "bf16 add w+b autocast",
-                   "fp32 add b frozen", "bf16 add w+b [unaligned width]", "bf16 add w+b [rows_per_program=1]"):
+                   "fp32 add b frozen", "bf16 add w+b [unaligned width]", "bf16 add w+b [rows_per_program=1]",
+                   "bf16 add w offset", "fp32 add w(other) t5", "fp16 add+res_fp32 w(fp32) llama", "bf16 ln none",
+                   "bf16 add w llama [unaligned width]", "fp16 add w llama [rows_per_program=16]", "bf16 add w t5 frozen"):
         assert needed in variants, needed
     print(f"full sweep: {len(record['results'])} binaries in {record['wall_s']:.0f} s")
 

@@ -10,7 +10,9 @@ Same design as the LayerNorm kernels (:mod:`._triton_ops`, whose ``_cast`` helpe
 * Backward: a fixed grid of programs, each owning a contiguous range of rows and accumulating its
   weight gradient in float32 into its own row of a partials buffer, reduced by ``torch.sum``. No
   atomics: bitwise deterministic for a given shape and device.
-* The launch configuration is the pure function :func:`launch_config` (no autotuning).
+* The launch configuration is the pure function :func:`launch_config` (no autotuning); the
+  runtime launches exactly the :class:`~._triton_ops.KernelLaunch` that :func:`plan_forward` /
+  :func:`plan_backward` return, which ``benchmarks/triton_aot.py`` compiles ahead of time.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from . import _common, _rms_common
-from ._triton_ops import _cast
+from ._triton_ops import KernelLaunch, LaunchConfig, _cast
 
 MAX_SINGLE_BLOCK = 8192  # widest row held in registers; wider rows are processed in blocks
 LOOP_BLOCK = 4096
 BWD_PROGRAMS_PER_SM = 2
+BWD_UNALIGNED_MAX_SINGLE_BLOCK = 4096  # the backward's widest register-held row whose width % 16 != 0
 
 # ROUND codes: 0 none, 1 round n to x's dtype, 2 to the weight's (see _rms_common.CAST_ORDERS).
 _ROUND_NONE, _ROUND_X, _ROUND_W = 0, 1, 2
@@ -174,12 +177,39 @@ def _rms_bwd_kernel(
 
 
 def launch_config(n: int) -> tuple[int, bool, int]:
-    """``(BLOCK_N, single_block, num_warps)`` for a row width ``n``: a pure function of ``n``, shared
-    by the forward and the backward (so an ahead-of-time compile check can enumerate it)."""
+    """The forward's ``(BLOCK_N, single_block, num_warps)`` for a row width ``n``: a pure function of
+    ``n`` (so an ahead-of-time compile check can enumerate it). The backward starts from it, see
+    :func:`backward_launch_config`."""
     block = triton.next_power_of_2(max(n, 1))
     if block <= MAX_SINGLE_BLOCK:
         return block, True, 16 if block >= 8192 else 8 if block >= 2048 else 4
     return LOOP_BLOCK, False, 8
+
+
+def forward_launch_config(n: int) -> LaunchConfig:
+    """The forward kernel's launch for rows ``n`` wide (the runtime and the AOT check share it)."""
+    block, single, warps = launch_config(n)
+    return LaunchConfig(block, single, warps)
+
+
+def backward_launch_config(n: int) -> LaunchConfig:
+    """The backward kernel's launch for rows ``n`` wide (the runtime and the AOT check share it).
+
+    Chosen from the compiled resources (``benchmarks/triton_aot.py --subset full``, sm_80/sm_90;
+    README "Triton kernels compiled ahead of time"): the forward's launch spilled in the backward
+    at block 1024 (4 warps), 2048 and 4096 (8 warps): 4 B per thread on sm_80 in some calls, at
+    48-64 registers; 1024 now takes 8 warps, 2048 and 4096 16 (no spills on sm_80/sm_90).
+    """
+    block, single, warps = launch_config(n)
+    if single and block > BWD_UNALIGNED_MAX_SINGLE_BLOCK and n % 16:
+        # Widths that aren't a multiple of 16 get no 16-byte vector loads: past this block their
+        # row does not fit in registers (56-168 B of spills at 8192, 16 warps), as in _triton_ops.
+        return LaunchConfig(LOOP_BLOCK, False, 8)
+    if single and block == 1024:
+        warps = 8
+    elif single and block in (2048, 4096):
+        warps = 16
+    return LaunchConfig(block, single, warps)
 
 
 def _num_programs(rows: int, device: torch.device) -> int:
@@ -202,7 +232,7 @@ def _check_triton_dtypes(*tensors: Optional[Tensor]) -> None:
             raise TypeError(f"the Triton RMSNorm kernels take float32/float16/bfloat16, got {t.dtype}")
 
 
-def triton_add_rms_norm_impl(
+def plan_forward(
     x: Tensor,
     residual: Optional[Tensor],
     weight: Optional[Tensor],
@@ -210,7 +240,9 @@ def triton_add_rms_norm_impl(
     residual_in_fp32: bool,
     offset: float,
     cast: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[tuple[Tensor, Tensor, Tensor], Optional[KernelLaunch]]:
+    """The forward's outputs ``(y, h, rstd)`` (allocated, not yet written) and its kernel launch
+    (``None`` when there are no rows)."""
     _check_triton_dtypes(x, residual, weight)
     rows, n = x.shape
     stored = _common.stores_residual(x, residual, residual_in_fp32)
@@ -220,20 +252,71 @@ def triton_add_rms_norm_impl(
     h = torch.empty((rows, n), dtype=rdt, device=x.device) if stored else x.new_empty(0)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
-        return y, h, rstd
-    block, single, warps = launch_config(n)
+        return (y, h, rstd), None
+    config = forward_launch_config(n)
     # Absent operands get their own empty tensors (never dereferenced), as in _triton_ops.
     r_arg = residual if residual is not None else x.new_empty((0, n))
     h_arg = h if stored else y.new_empty((0, n))
-    wrap_triton(_rms_fwd_kernel)[(rows,)](
+    args = (
         x, r_arg, weight if weight is not None else x.new_empty(0), y, h_arg, rstd,
         x.stride(0), n, y.stride(0), n,
         n, eps, float(offset),
+    )
+    constexprs = dict(
         HAS_RESIDUAL=residual is not None, STORE_H=stored, HAS_WEIGHT=weight is not None,
         ROUND=_round_code(x, weight, cast),
-        BLOCK_N=block, SINGLE_BLOCK=single, num_warps=warps,
+        BLOCK_N=config.block_n, SINGLE_BLOCK=config.single_block,
     )
-    return y, h, rstd
+    return (y, h, rstd), KernelLaunch(_rms_fwd_kernel, (rows,), args, constexprs, config)
+
+
+def triton_add_rms_norm_impl(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    eps: float,
+    residual_in_fp32: bool,
+    offset: float,
+    cast: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    outputs, launch = plan_forward(x, residual, weight, eps, residual_in_fp32, offset, cast)
+    if launch is not None:
+        wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs())
+    return outputs
+
+
+def plan_backward(
+    dy: Tensor,
+    dresidual: Optional[Tensor],
+    h: Tensor,
+    rstd: Tensor,
+    weight: Optional[Tensor],
+    offset: float,
+    need_weight_grad: bool,
+) -> tuple[tuple[Tensor, Tensor], Optional[KernelLaunch]]:
+    """The backward's ``(dh, dweight_partials)`` (allocated, not yet written) and its kernel launch
+    (``None`` when there are no rows)."""
+    rows, n = h.shape
+    need_w = need_weight_grad and weight is not None
+    dh = torch.empty_like(h)
+    programs = _num_programs(rows, h.device)
+    config = backward_launch_config(n)
+    # float32 partial sums, one row per program; the loop kernel accumulates into them.
+    alloc = torch.empty if config.single_block else torch.zeros
+    dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_w else h.new_empty(0, dtype=torch.float32)
+    if rows == 0:
+        return (dh, dw_part), None
+    dres_arg = dresidual if dresidual is not None else dy.new_empty((0, n))
+    args = (
+        dy, dres_arg, h, weight if weight is not None else h.new_empty(0), rstd, dh, dw_part,
+        dy.stride(0), n, h.stride(0), dh.stride(0),
+        rows, n, triton.cdiv(rows, programs), float(offset),
+    )
+    constexprs = dict(
+        HAS_DRES=dresidual is not None, HAS_WEIGHT=weight is not None, NEED_DW=need_w,
+        BLOCK_N=config.block_n, SINGLE_BLOCK=config.single_block,
+    )
+    return (dh, dw_part), KernelLaunch(_rms_bwd_kernel, (programs,), args, constexprs, config)
 
 
 def triton_add_rms_norm_backward_impl(
@@ -245,24 +328,12 @@ def triton_add_rms_norm_backward_impl(
     offset: float,
     need_weight_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    rows, n = h.shape
-    need_w = need_weight_grad and weight is not None
-    dh = torch.empty_like(h)
-    programs = _num_programs(rows, h.device)
-    block, single, warps = launch_config(n)
-    alloc = torch.empty if single else torch.zeros
-    dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_w else h.new_empty(0, dtype=torch.float32)
-    if rows > 0:
-        dres_arg = dresidual if dresidual is not None else dy.new_empty((0, n))
-        wrap_triton(_rms_bwd_kernel)[(programs,)](
-            dy, dres_arg, h, weight if weight is not None else h.new_empty(0), rstd, dh, dw_part,
-            dy.stride(0), n, h.stride(0), dh.stride(0),
-            rows, n, triton.cdiv(rows, programs), float(offset),
-            HAS_DRES=dresidual is not None, HAS_WEIGHT=weight is not None, NEED_DW=need_w,
-            BLOCK_N=block, SINGLE_BLOCK=single, num_warps=warps,
-        )
+    (dh, dw_part), launch = plan_backward(dy, dresidual, h, rstd, weight, offset, need_weight_grad)
+    if launch is not None:
+        wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs())
     else:  # no rows: the partials must read as zero
         dw_part.zero_()
+    need_w = need_weight_grad and weight is not None
     dw = dw_part.sum(0).to(weight.dtype) if need_w else h.new_empty(0)
     return dh, dw
 
