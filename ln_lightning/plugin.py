@@ -182,10 +182,12 @@ def _fmt(config: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
 
 
-def _pre_stacks(model: nn.Module) -> list:
+def _rewritten_stacks(model: nn.Module, placement: str) -> list:
+    """The stacks a rewrite to `placement` changed: those with a block of that placement ("mix": pre)."""
     from ln_lightning.placement import inspect_model
 
-    return [s for s in inspect_model(model).stacks if any(b.placement == "pre" for b in s.blocks)]
+    block_placement = "pre" if placement == "mix" else placement
+    return [s for s in inspect_model(model).stacks if any(b.placement == block_placement for b in s.blocks)]
 
 
 def _scale_per_stack(config: dict, depths: list[int]) -> list[Any]:
@@ -202,11 +204,15 @@ def _difference(existing: dict, request: dict, model: nn.Module, added: list[str
     """Why a model rewritten to `existing` computes another function than `request` would give it; None if it doesn't."""
     if existing.get("placement") != request["placement"]:
         return f"placement {existing.get('placement')!r} is not {request['placement']!r}"
-    if request["placement"] != "pre":
+    placement = request["placement"]
+    if placement == "post":
         return None  # "post" takes no other option that changes the function
+    if placement == "mix" and existing.get("mix_post_blocks") != request.get("mix_post_blocks"):
+        return (f"mix_post_blocks {existing.get('mix_post_blocks')!r} is not {request.get('mix_post_blocks')!r} "
+                "(None: a quarter of each stack)")
     stacks = None
     if existing.get("branch_scale") != request["branch_scale"]:
-        stacks = _pre_stacks(model)
+        stacks = _rewritten_stacks(model, placement)
         depths = [s.depth for s in stacks]
         have, want = _scale_per_stack(existing, depths), _scale_per_stack(request, depths)
         same = all(
@@ -219,7 +225,7 @@ def _difference(existing: dict, request: dict, model: nn.Module, added: list[str
         return (f"layerscale_init {existing.get('layerscale_init', 'unknown')!r} is not {request.get('layerscale_init')!r} "
                 "(the scales started from other values)")
     if bool(existing.get("final_norm")) != request["final_norm"]:
-        stacks = stacks if stacks is not None else _pre_stacks(model)
+        stacks = stacks if stacks is not None else _rewritten_stacks(model, placement)
         finals = [s.final_norm for s in stacks]
         if request["final_norm"]:  # the request adds a final norm wherever a stack has none
             if any(f is None for f in finals):
@@ -271,7 +277,11 @@ class LNPlacement(LayerSync, Callback):
     does a checkpoint, which records the configuration under ``checkpoint["ln_lightning"]``.
 
     Args:
-        placement: ``"pre"`` (``x <- x + F(LN(x))``) or ``"post"`` (``x <- LN(x + F(x))``, to migrate back).
+        placement: ``"pre"`` (``x <- x + F(LN(x))``), ``"post"`` (``x <- LN(x + F(x))``, to migrate back),
+            ``"peri"`` (``x + N_out(F(N(x)))``, Peri-LN), ``"output"`` (``x + N(F(x))``, OLMo 2) or ``"mix"``
+            (Mix-LN: the first ``mix_post_blocks`` blocks of each stack post-norm, the rest pre-norm).
+        mix_post_blocks: with ``"mix"``, how many leading blocks of each stack stay post-norm (default: a
+            quarter of the stack, as in Mix-LN).
         final_norm: add a final LayerNorm after a stack converted to pre-norm that has none.
         branch_scale: ``None``, a positive float ``c`` (``x + c*F(LN(x))``), ``"depth"`` (``c = 1/sqrt(2L)``)
             or ``"layerscale"`` (a learnable per-channel scale; adds parameters).
@@ -292,11 +302,12 @@ class LNPlacement(LayerSync, Callback):
             ``transition_steps`` this is how a plugin-less post-norm run continues as pre-norm: the resumed model
             computes exactly the checkpoint's function and the transition starts at the checkpoint's step.
         transition_steps: ``None`` (the rewrite takes effect at once), or ``N``: a function-preserving transition
-            (``ln_lightning.placement.transition``). At fit start the model computes exactly the post-norm function
-            it had; over the next ``N`` optimizer steps a blend moves it to pre-norm (read from
+            (``ln_lightning.placement.transition``). At fit start the model computes exactly the function it
+            had; over the next ``N`` optimizer steps a blend moves it to ``placement`` (read from
             ``trainer.global_step`` before each step, so a resumed run continues at the same point; logged as
             ``ln_placement/transition``); after step ``N`` the transition machinery is removed and the model is
-            exactly what ``convert(model, "pre", ...)`` gives. The blend is a buffer in every checkpoint.
+            exactly what ``convert(model, placement, ...)`` gives. The blend is a buffer in every checkpoint.
+            Any placement but ``"post"`` (which can't preserve a trained function: it only undoes a rewrite).
         transition_schedule: ``"linear"`` (blend = t) or ``"cosine"`` (blend = (1 - cos(pi t)) / 2), t = step / N.
 
     A model that is already rewritten (by an earlier ``LNPlacement`` or by ``convert``) is trained as it
@@ -341,6 +352,7 @@ class LNPlacement(LayerSync, Callback):
         resume_unconverted: bool = False,
         transition_steps: int | None = None,
         transition_schedule: str = "linear",
+        mix_post_blocks: int | None = None,
     ):
         for name, value in (("final_norm", final_norm), ("fused", fused), ("strict", strict),
                             ("sync_batchnorm", sync_batchnorm), ("log_report", log_report),
@@ -358,16 +370,19 @@ class LNPlacement(LayerSync, Callback):
 
             raise RuntimeError(_lightning_patch._unsupported_version_message(lightning.__version__))
         try:  # one set of rules, the engine's, so the plugin accepts exactly what convert() does
-            validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init)
+            validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init,
+                             mix_post_blocks=mix_post_blocks)
         except PlacementError as err:
             raise PlacementError(f"LNPlacement: {err}") from None
         if transition_steps is not None:
-            from ln_lightning.placement.transition import SCHEDULES
+            from ln_lightning.placement.transition import SCHEDULES, check_target
 
             if isinstance(transition_steps, bool) or not isinstance(transition_steps, int) or transition_steps < 1:
                 raise ValueError(f"LNPlacement: transition_steps must be a positive int (optimizer steps) or None, got {transition_steps!r}.")
-            if placement != "pre":
-                raise ValueError("LNPlacement: transition_steps moves a post-norm model to pre-norm; it needs placement='pre'.")
+            try:
+                check_target(placement)
+            except PlacementError as err:
+                raise PlacementError(f"LNPlacement: {err}") from None
             if transition_schedule not in SCHEDULES:
                 raise ValueError(f"LNPlacement: unknown transition_schedule {transition_schedule!r}; valid: {', '.join(map(repr, SCHEDULES))}.")
         _lightning_patch.install()
@@ -375,6 +390,7 @@ class LNPlacement(LayerSync, Callback):
         self.transition_schedule = transition_schedule
         self._schedule_checked = False
         self.placement = placement
+        self.mix_post_blocks = mix_post_blocks
         self.final_norm = final_norm
         self.branch_scale = float(branch_scale) if isinstance(branch_scale, (int, float)) else branch_scale
         layerscale_init = None if layerscale_init is None else float(layerscale_init)
@@ -397,6 +413,8 @@ class LNPlacement(LayerSync, Callback):
         config = {"placement": self.placement, "final_norm": self.final_norm, "branch_scale": self.branch_scale}
         if self.layerscale_init is not None:
             config["layerscale_init"] = self.layerscale_init
+        if self.mix_post_blocks is not None:
+            config["mix_post_blocks"] = self.mix_post_blocks
         return config
 
     def __repr__(self) -> str:
@@ -453,6 +471,7 @@ class LNPlacement(LayerSync, Callback):
             branch_scale=self.branch_scale,
             strict=self.strict,
             **({"layerscale_init": self.layerscale_init} if self.layerscale_init is not None else {}),
+            **({"mix_post_blocks": self.mix_post_blocks} if self.mix_post_blocks is not None else {}),
             example_input=example,
         )
         if self.fused and swaps[0] is not None:
@@ -481,8 +500,8 @@ class LNPlacement(LayerSync, Callback):
         reason = _difference(existing, self.config, model, rewrite_record.recorded_added(model))
         how = "recorded on the model" if source == "recorded" else "read from its structure: rewritten by convert()"
         if reason is None and self.transition_steps is not None and not self._transition_known(model):
-            reason = ("transition_steps needs the post-norm model to start from, but this one computes pre-norm already "
-                      "(no transition under way)")
+            reason = (f"transition_steps needs the model as written to start from, but this one computes "
+                      f"{existing.get('placement')!r} already (no transition under way)")
         if reason is not None:
             raise ValueError(
                 f"LNPlacement: this model was already rewritten to ({_fmt(existing)}) ({how}), but this LNPlacement "
@@ -493,7 +512,9 @@ class LNPlacement(LayerSync, Callback):
         if source == "inferred" or not rewrite_record.marker_owners(model):
             # Record it (convert() records the configuration, not the marker), so checkpoints and markers say
             # what the model computes, whoever rewrote it.
-            blocks = [b.path for s in _pre_stacks(model) for b in s.blocks if b.placement == "pre"]
+            placement = existing.get("placement", "pre")
+            block_placement = "pre" if placement == "mix" else placement
+            blocks = [b.path for s in _rewritten_stacks(model, placement) for b in s.blocks if b.placement == block_placement]
             rewrite_record.record(model, existing, blocks)
         if self.report is None:  # this plugin did not rewrite it (a worker of ddp_spawn inherits the report)
             self._note = (
@@ -684,8 +705,8 @@ class LNPlacement(LayerSync, Callback):
 
         transition.finish(pl_module)
         pl_module.__dict__["_ln_lightning_transition_finished"] = True
-        info(log, f"LNPlacement: transition to pre-norm finished after {self.transition_steps} steps; the model is "
-             "now exactly its pre-norm rewrite.")
+        info(log, f"LNPlacement: transition to {self.placement}-norm finished after {self.transition_steps} steps; the "
+             f"model is now exactly its {self.placement}-norm rewrite.")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._optimizer_remap = None  # a checkpoint loaded by validate/test is not the next fit's

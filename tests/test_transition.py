@@ -223,13 +223,13 @@ def test_errors_name_the_problem():
     transition.begin(model)
     with pytest.raises(PlacementError, match=r"\[0, 1\]"):
         transition.set_blend(model, 1.5)
-    with pytest.raises(PlacementError, match="in a post->pre transition"):
+    with pytest.raises(PlacementError, match="in a placement transition"):
         convert(model, "post")
     with pytest.raises(PlacementError, match="already in a transition"):
         transition.start(model, None)
     with pytest.raises(ValueError, match="transition_steps must be a positive int"):
         LNPlacement("pre", transition_steps=0)
-    with pytest.raises(ValueError, match="needs placement='pre'"):
+    with pytest.raises(ValueError, match="placement=.post. can.t preserve the function"):
         LNPlacement("post", transition_steps=3)
     with pytest.raises(ValueError, match="unknown transition_schedule"):
         LNPlacement("pre", transition_steps=3, transition_schedule="step")
@@ -486,7 +486,7 @@ def test_x_transformers_slot_final_norm_blends():
 def test_transition_steps_on_a_model_already_converted_is_refused(tmp_path):
     module = LM("demo")
     convert(module, "pre")
-    with pytest.raises(ValueError, match="transition_steps needs the post-norm model"):
+    with pytest.raises(ValueError, match="transition_steps needs the model as written"):
         trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=1).fit(
             module, train_dataloaders=loader())
 

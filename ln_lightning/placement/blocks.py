@@ -88,6 +88,11 @@ class Handler:
         """None if possible, else the reason."""
         return None
 
+    def as_written(self) -> bool:
+        """Whether the block computes the placement its forward is written in (no rewrite of ours on it).
+        A transition blends from the placement as written, so it needs this (torch layers: always)."""
+        return True
+
     def to(self, placement: str, scales: ScaleFactory) -> tuple[list[str], list[str]]:
         """Rewrite to `placement`: (paths added, paths removed)."""
         if placement == "pre":
@@ -282,6 +287,9 @@ class HookedHandler(Handler):
 
     def sublayers(self):
         return [SublayerInfo(s.name, self._current(i, s), self._full(s.norm), s.branch) for i, s in enumerate(self.subs)]
+
+    def as_written(self) -> bool:
+        return _STATE not in self.block.__dict__
 
     def norms(self):
         return [self._get(s.norm) for s in self.subs if s.norm is not None]

@@ -213,7 +213,7 @@ def convert(
     if isinstance(model._modules.get("ln_lightning_transition"), nn.Module):
         # Mid-transition the blocks compute a blend; rewriting them now would leave it half-undone.
         raise PlacementError(
-            f"{type(model).__name__} is in a post->pre transition (ln_lightning_transition); end it first with "
+            f"{type(model).__name__} is in a placement transition (ln_lightning_transition); end it first with "
             "ln_lightning.placement.transition.finish(model), then convert"
         )
     types = norm_types()
@@ -309,11 +309,11 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     preserved = report.output_change is not None and report.output_change <= PRESERVE_TOLERANCE
     report.preserves_function = preserved and not report.added and not report.removed
     if report.changed:
-        _record(model, placement, final_norm, branch_scale, layerscale_init, report)
+        _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report)
     return report
 
 
-def _record(model, placement, final_norm, branch_scale, layerscale_init, report: ConversionReport) -> None:
+def _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report: ConversionReport) -> None:
     """Say on the model what it now computes (ln_lightning.rewrite_record), so LNPlacement and
     checkpoints can tell a hand-converted model from a fresh one. The marker buffer is LNPlacement's."""
     from ln_lightning import rewrite_record
@@ -322,6 +322,8 @@ def _record(model, placement, final_norm, branch_scale, layerscale_init, report:
         config = {"placement": placement, "final_norm": final_norm, "branch_scale": branch_scale}
         if layerscale_init is not None:
             config["layerscale_init"] = layerscale_init
+        if mix_post_blocks is not None:
+            config["mix_post_blocks"] = mix_post_blocks
         added = (rewrite_record.recorded_added(model) or []) + [a for a in report.added if a not in (rewrite_record.recorded_added(model) or [])]
         rewrite_record.record(model, config, added=added, owners=())
     elif all(b.after == "post" for b in report.blocks):
@@ -360,6 +362,7 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
             change.reason = f"running the block on a probe input failed ({type(e).__name__}: {e}); pass example_input= to probe it with real inputs"
             return change
     block_snapshot = Snapshot(h.block)
+    change.from_written = h.as_written()
     try:
         added, removed = h.to(placement, scales)
     except Unrecognised as e:

@@ -25,7 +25,7 @@ def _fusable(layer: nn.Module, norm: nn.Module) -> bool:
         from ln_lightning.norm import FusedLayerNorm
     except ImportError:  # the fused norm is an optional part of the package
         return False
-    if not layer.norm_first or hooks._bypassed() or not isinstance(norm, FusedLayerNorm):
+    if not layer.norm_first or hooks.bypassed() or not isinstance(norm, FusedLayerNorm):
         return False
     if norm._forward_hooks or norm._forward_pre_hooks or getattr(norm, "ln_lightning_deferred", False):
         return False

@@ -28,7 +28,7 @@ from torch import nn
 _state = threading.local()
 
 
-def _bypassed() -> bool:
+def bypassed() -> bool:
     return getattr(_state, "bypass", False)
 
 
@@ -40,7 +40,7 @@ def normalizing() -> bool:
 @contextlib.contextmanager
 def bypass():
     """Run the model's original (unconverted) function inside this block, on this thread."""
-    old = _bypassed()
+    old = bypassed()
     _state.bypass = True
     try:
         yield
@@ -74,9 +74,9 @@ class DeferredNorm:
         return _deferred_class(base)
 
     def forward(self, x, *args, **kwargs):  # the call site: pass-through
-        if _bypassed():
+        if bypassed():
             return super().forward(x, *args, **kwargs)
-        # During a post->pre transition (placement/transition.py) the call site blends (1-a)*LN(x) + a*x;
+        # During a transition (placement/transition.py) the call site blends (1-a)*N(x) + a*x;
         # the attribute is set on the instance by transition.start and removed by transition.finish.
         t = self.__dict__.get("ln_lightning_transition")
         if t is not None:
@@ -185,7 +185,7 @@ class BypassableNorm:
     ln_lightning_bypassable = True
 
     def forward(self, x, *args, **kwargs):
-        if _bypassed():
+        if bypassed():
             return x
         return super().forward(x, *args, **kwargs)
 
@@ -226,7 +226,7 @@ class NormalizeBranchInput:
         self.kwarg_names = kwarg_names
 
     def __call__(self, module, args, kwargs):
-        if _bypassed():
+        if bypassed():
             return None
         # One normalisation per call even when the stream is passed several times (q, k, v).
         cache: dict[int, torch.Tensor] = {}
@@ -234,7 +234,7 @@ class NormalizeBranchInput:
         def norm_of(t):
             key = id(t)
             if key not in cache:
-                cache[key] = self._normalized(t)
+                cache[key] = self.normalized(t)
             return cache[key]
 
         capture = getattr(_state, "capture", None)
@@ -251,7 +251,7 @@ class NormalizeBranchInput:
                 kwargs[k] = norm_of(kwargs[k])
         return tuple(args), kwargs
 
-    def _normalized(self, t: torch.Tensor) -> torch.Tensor:
+    def normalized(self, t: torch.Tensor) -> torch.Tensor:
         # Overridden by transition.BlendNormalizeBranchInput: (1-a)*t + a*normalize(t).
         return self.norm.normalize(t)
 
@@ -277,10 +277,14 @@ class NormalizeBranchOutput:
         self.deferred = deferred
 
     def __call__(self, module, args, output):
-        if _bypassed():
+        if bypassed():
             return None
         value = output if self.index is None else output[self.index]
-        return _with_branch_value(output, self.index, self.norm.normalize(value) if self.deferred else self.norm(value))
+        return _with_branch_value(output, self.index, self.normalized(value))
+
+    def normalized(self, value: torch.Tensor) -> torch.Tensor:
+        # Overridden by transition.BlendNormalizeBranchOutput: (1-a)*value + a*N(value).
+        return self.norm.normalize(value) if self.deferred else self.norm(value)
 
 
 class ScaleBranchOutput:
@@ -291,12 +295,16 @@ class ScaleBranchOutput:
         self.index = index
 
     def __call__(self, module, args, output):
-        if _bypassed():
+        if bypassed():
             return None
         if self.scale is None:
             return None
         value = output if self.index is None else output[self.index]
-        return _with_branch_value(output, self.index, self.scale(value))
+        return _with_branch_value(output, self.index, self.scaled(value))
+
+    def scaled(self, value: torch.Tensor) -> torch.Tensor:
+        # Overridden by transition.BlendScaleBranchOutput: the scale ramps from 1 to c.
+        return self.scale(value)
 
 
 def replace_stream(output, stream: torch.Tensor, new: torch.Tensor):
@@ -343,7 +351,7 @@ class ApplyFinalNorm:
         self.norm = norm
 
     def __call__(self, module, args, output):
-        if _bypassed():
+        if bypassed():
             return None
         s = stream_of(output)
         return replace_stream(output, s, self.norm(s))
@@ -356,7 +364,7 @@ class TapStream:
         self.value = None
 
     def __call__(self, module, args, output):
-        self.value = None if _bypassed() else stream_of(output)
+        self.value = None if bypassed() else stream_of(output)
         return None
 
     def __deepcopy__(self, memo):
@@ -381,7 +389,7 @@ class ApplyFinalNormAtExit:
         self.stack = stack
 
     def __call__(self, module, args, output):
-        if _bypassed():
+        if bypassed():
             return None
         s, self.tap.value = self.tap.value, None
         if s is None:
@@ -406,7 +414,7 @@ class ApplyFinalNormAtConsumer:
         self.stack = stack
 
     def __call__(self, module, args, kwargs):
-        if _bypassed():
+        if bypassed():
             return None
         s, self.tap.value = self.tap.value, None
         if s is None:

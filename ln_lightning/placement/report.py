@@ -153,6 +153,7 @@ class BlockChange:
     reason: str = ""  # why skipped, or what was done
     check_error: float | None = None  # max relative error of the probe check against the target formula
     output_change: float | None = None  # relative L2 change of the block's output on the probe input
+    from_written: bool = True  # converted from the placement its forward is written in (not from a rewrite of ours)
 
 
 @dataclass

@@ -1,29 +1,42 @@
-"""A function-preserving transition from post-norm to pre-norm, for a model that is already trained.
+"""A function-preserving transition between norm placements, for a model that is already trained.
 
 `convert(model, "pre")` changes what a trained post-norm model computes (by 27% on the demo LM). The
-transition instead blends the two placements with one number `a` in [0, 1], per converted sublayer
-with norm `LN` and branch `F` (branch scale `c`, 1 without one):
+transition instead blends the two placements with one number `a` in [0, 1]. A sublayer has three places a
+norm can sit: the branch's input, the branch's output (before the add) and the stream after the add. The
+placement before (`S`, as the block's forward is written) and after (`T`, what `convert` made it) each put
+a norm, or nothing, at each place; during the transition each place computes
+
+    (1-a) * f_S(v) + a * f_T(v)           (f: the identity, or the norm that place has)
+
+and the branch scale `c` ramps from 1 (`(1-a) + a*c`). Post-norm to pre-norm (norm `LN`, branch `F`):
 
     u = (1-a)*x + a*LN(x)                 at the branch's entries
-    h = x + ((1-a) + a*c) * F(u)          (the branch scale ramps from 1 to c)
+    h = x + ((1-a) + a*c) * F(u)
     out = (1-a)*LN(h) + a*h               at the norm's own call site
 
-and a final norm that `convert` added outputs `(1-a)*s + a*LN_f(s)`. At `a = 0` every term is exact
-(`1*x + 0*y == x` in floating point), so the model computes bit-for-bit the post-norm function it was
-trained with (and an added final norm is the identity); at `a = 1` it computes exactly what
-`convert(model, "pre")` gives. `finish(model)` then removes every piece of the machinery, leaving the
-model exactly as `convert(model, "pre")` left it (fused torch layers included), at plain pre-norm speed.
+Post to peri adds `b -> (1-a)*b + a*N_out(b)` at the branch's exit; pre to output moves the norm from
+the input to the exit (`(1-a)*N(x) + a*x` at the input, `(1-a)*b + a*N(b)` at the exit); peri to pre and
+to output drop one norm at its call site; "mix" converts the later blocks to pre-norm, as above. A final
+norm that `convert` added outputs `(1-a)*s + a*N_f(s)`. At `a = 0` every term is exact (`1*x + 0*y == x`
+in floating point), so the model computes bit-for-bit the function it was trained with (an added norm is
+the identity); at `a = 1` it computes exactly what `convert(model, placement)` gives. `finish(model)`
+then removes every piece of the machinery, leaving the model exactly as `convert` left it (fused torch
+layers included), at plain speed.
+
+What can't be blended is refused: a block an earlier rewrite of ours changed (the blend starts from the
+placement the forward is written in), a conversion that removed modules, placement "post" (ln_lightning
+only undoes its own rewrites, which never needs a transition).
 
 Usage without a Trainer::
 
     from ln_lightning.placement import transition
-    report = transition.begin(model, final_norm=True)      # convert(model, "pre", ...) at a = 0
+    report = transition.begin(model, "pre", final_norm=True)   # convert(model, "pre", ...) at a = 0
     for step in range(n):
         transition.set_blend(model, transition.schedule((step + 1) / n))
         ...train...
-    transition.finish(model)                               # plain pre-norm from here on
+    transition.finish(model)                                   # plain pre-norm from here on
 
-With a Trainer: `LNPlacement("pre", transition_steps=N, transition_schedule="linear"|"cosine")`.
+With a Trainer: `LNPlacement(placement, transition_steps=N, transition_schedule="linear"|"cosine")`.
 
 State: the blend is a persistent buffer `ln_lightning_transition.blend` on the root module (and the
 step the schedule started at, `ln_lightning_transition.start_step`), so a checkpoint written
@@ -31,7 +44,7 @@ mid-transition resumes at the same point and `load_converted` restores it.
 
 The pieces, all undone by `finish`:
 
-* a converted block's deferred norm gets the instance attribute `ln_lightning_transition` (consulted
+* a converted block's deferred norms get the instance attribute `ln_lightning_transition` (consulted
   by `hooks.DeferredNorm.forward`: the one edit this needs in hooks.py);
 * its entry / exit hooks switch class to the blend-aware subclasses below (same attributes);
 * a torch `nn.TransformerEncoderLayer`/`DecoderLayer` switches class to `BlendEncoderLayer` /
@@ -50,10 +63,13 @@ from torch.nn import functional as F
 
 from ln_lightning.placement import hooks
 from ln_lightning.placement.errors import PlacementError
+from ln_lightning.placement.norms import norm_types
 
 ATTR = "ln_lightning_transition"  # the root's submodule, and the deferred norms' instance attribute
 _PREV_CLASS = "_ln_lightning_pre_transition_class"
 SCHEDULES = ("linear", "cosine")
+# The placements a transition can end at (from the placement each block is written in).
+TARGETS = ("pre", "peri", "output", "mix")
 
 
 def schedule(t: float, kind: str = "linear") -> float:
@@ -111,23 +127,23 @@ def _mix(t: Transition, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 class BlendNormalizeBranchInput(hooks.NormalizeBranchInput):
     """Entry hook during the transition: the branch reads `(1-a)*x + a*LN(x)`."""
 
-    def _normalized(self, t: torch.Tensor) -> torch.Tensor:
+    def normalized(self, t: torch.Tensor) -> torch.Tensor:
         return _mix(self.transition, t, self.norm.normalize(t))
+
+
+class BlendNormalizeBranchOutput(hooks.NormalizeBranchOutput):
+    """Exit hook during the transition: the branch output becomes `(1-a)*b + a*N(b)` (peri's added output
+    norm, or output-norm's moved one)."""
+
+    def normalized(self, value: torch.Tensor) -> torch.Tensor:
+        return _mix(self.transition, value, super().normalized(value))
 
 
 class BlendScaleBranchOutput(hooks.ScaleBranchOutput):
     """Exit hook during the transition: the branch output times `(1-a) + a*c` (1 -> c)."""
 
-    def __call__(self, module, args, output):
-        if hooks._bypassed() or self.scale is None:
-            return None
-        value = output if self.index is None else output[self.index]
-        value = _mix(self.transition, value, self.scale(value))
-        if self.index is None:
-            return value
-        out = list(output)
-        out[self.index] = value
-        return type(output)(out) if isinstance(output, tuple) else out
+    def scaled(self, value: torch.Tensor) -> torch.Tensor:
+        return _mix(self.transition, value, self.scale(value))
 
 
 class BlendFinalNorm:
@@ -137,9 +153,18 @@ class BlendFinalNorm:
         self.transition = transition
 
     def __call__(self, module, args, output):
-        if hooks._bypassed():
+        if hooks.bypassed():
             return None
         return _mix(self.transition, args[0], output)
+
+
+# Each hook of a rewrite and its blend-aware subclass (same attributes, plus `transition`).
+_BLEND_CLASS = {
+    hooks.NormalizeBranchInput: BlendNormalizeBranchInput,
+    hooks.NormalizeBranchOutput: BlendNormalizeBranchOutput,
+    hooks.ScaleBranchOutput: BlendScaleBranchOutput,
+}
+_PLAIN_CLASS = {blend: plain for plain, blend in _BLEND_CLASS.items()}
 
 
 def _blend_sublayer(t: Transition, x, norm, branch):
@@ -227,7 +252,7 @@ def get_blend(model: nn.Module) -> float | None:
 
 
 def set_blend(model: nn.Module, a: float) -> None:
-    """Set the blend: 0 is the post-norm function the model was trained with, 1 is `convert(model, "pre")`."""
+    """Set the blend: 0 is the function the model was trained with, 1 is what `convert` made it."""
     t = active(model)
     if t is None:
         raise PlacementError("set_blend: the model is not in a transition; start one with ln_lightning.placement.transition.begin(model)")
@@ -237,33 +262,66 @@ def set_blend(model: nn.Module, a: float) -> None:
     t.blend.fill_(a)
 
 
-def begin(model: nn.Module, *, steps: int | None = None, schedule_kind: str = "linear", **convert_options: Any):
-    """`convert(model, "pre", **convert_options)`, then the transition at a = 0 (the model's own function).
+def begin(model: nn.Module, placement: str = "pre", *, steps: int | None = None, schedule_kind: str = "linear",
+          **convert_options: Any):
+    """`convert(model, placement, **convert_options)`, then the transition at a = 0 (the model's own function).
 
-    Returns the ConversionReport. Set the blend with `set_blend`, end with `finish`.
+    `placement` is one of TARGETS ("pre", "peri", "output", "mix"). Returns the ConversionReport. Set the
+    blend with `set_blend`, end with `finish`.
     """
     from ln_lightning.placement.engine import convert
+    from ln_lightning.rewrite_record import recorded_config
 
-    if convert_options.get("placement", "pre") != "pre":
-        raise PlacementError("a transition goes from post-norm to pre-norm: placement must be 'pre'")
-    convert_options.pop("placement", None)
-    report = convert(model, "pre", **convert_options)
+    check_target(placement)
+    recorded = recorded_config(model)
+    if recorded is not None:
+        raise PlacementError(
+            f"{type(model).__name__} was already converted (to {recorded.get('placement')!r}); a transition blends from "
+            "the placement the model's forward is written in. Start from the unconverted model, or convert it back "
+            "with convert(model, 'post') first"
+        )
+    report = convert(model, placement, **convert_options)
     start(model, report, steps=steps, schedule_kind=schedule_kind)
     return report
 
 
-def start(model: nn.Module, report, *, steps: int | None = None, schedule_kind: str = "linear") -> Transition:
-    """Switch a model `convert(model, "pre")` just rewrote (with `report`) into the transition at a = 0.
+def check_target(placement: str) -> None:
+    """Raise unless a transition can end at `placement` (LNPlacement calls this at construction)."""
+    if placement == "post":
+        raise PlacementError(
+            "transition_steps with placement='post' can't preserve the function: ln_lightning converts to post-norm "
+            "only by undoing its own rewrite, which has no trained function to keep. Use placement 'pre', 'peri', "
+            "'output' or 'mix', or drop transition_steps"
+        )
+    if placement not in TARGETS:
+        raise PlacementError(f"a transition ends at one of {', '.join(map(repr, TARGETS))}, not {placement!r}")
 
-    Only what that conversion changed is blended (blocks it converted, final norms it added); blocks
-    that were pre-norm already keep computing what they did.
+
+def start(model: nn.Module, report, *, steps: int | None = None, schedule_kind: str = "linear") -> Transition:
+    """Switch a model `convert` just rewrote (with `report`) into the transition at a = 0.
+
+    Only what that conversion changed is blended (blocks it converted, final norms it added); blocks it
+    left alone keep computing what they did.
     """
     if active(model) is not None:
         raise PlacementError("the model is already in a transition; finish it first (transition.finish(model))")
-    if report is None or report.placement != "pre":
+    if report is None or report.placement not in TARGETS:
         raise PlacementError(
-            "a transition starts from the report of the conversion to pre-norm that rewrote the model "
-            "(transition.begin(model) does both); a model rewritten earlier can't tell which blocks were post-norm"
+            "a transition starts from the report of the conversion that rewrote the model, to one of "
+            f"{', '.join(map(repr, TARGETS))} (transition.begin(model, placement) does both); a model rewritten "
+            "earlier can't tell what its blocks computed before"
+        )
+    if report.removed:
+        raise PlacementError(
+            f"the conversion removed {', '.join(report.removed)}: what they computed can't be blended back in. "
+            "Start the transition from the unconverted model"
+        )
+    rewritten = [b.path or "<root>" for b in report.converted if not b.from_written]
+    if rewritten:
+        raise PlacementError(
+            f"block(s) {', '.join(rewritten)} had been rewritten by ln_lightning before this conversion; the transition "
+            "blends from the placement a block's forward is written in, which they no longer computed. Convert the "
+            "model back with convert(model, 'post') first, or start from the unconverted model"
         )
     if ATTR in model._modules or hasattr(model, ATTR):
         raise PlacementError(f"{type(model).__name__} already has an attribute {ATTR!r}")
@@ -293,27 +351,31 @@ def start(model: nn.Module, report, *, steps: int | None = None, schedule_kind: 
                 m.__dict__[ATTR] = t
             for d in (m._forward_pre_hooks, m._forward_hooks):
                 for h in d.values():
-                    if type(h) is hooks.NormalizeBranchInput:
-                        h.__class__, h.transition = BlendNormalizeBranchInput, t
-                    elif type(h) is hooks.ScaleBranchOutput:
-                        h.__class__, h.transition = BlendScaleBranchOutput, t
-    from ln_lightning.placement.norms import norm_types
-
+                    blend = _BLEND_CLASS.get(type(h))
+                    if blend is not None:
+                        h.__class__, h.transition = blend, t
+    # Peri's added output norms are blended at their exit hooks; every other norm the conversion added is a final norm.
+    at_exits = {id(h.norm) for block in blocks for m in block.modules() for h in m._forward_hooks.values()
+                if isinstance(h, hooks.NormalizeBranchOutput)}
     for path in report.added:
         try:
             m = model.get_submodule(path)
         except AttributeError:
             continue
-        if isinstance(m, norm_types()):  # a final norm (branch scales are handled at their hooks)
+        if isinstance(m, norm_types()) and id(m) not in at_exits:  # (branch scales: at their hooks)
             m.register_forward_hook(BlendFinalNorm(t))
     model.add_module(ATTR, t)
+    report.notes.append(
+        "a transition is under way: at blend 0 the model computes exactly its function from before this conversion; "
+        "the change above is where it ends (blend 1)"
+    )
     model.register_load_state_dict_pre_hook(_SourceFinishedCheck())
     model.register_load_state_dict_post_hook(_FinishAfterLoad())
     return t
 
 
 def finish(model: nn.Module) -> None:
-    """End the transition: the model is exactly what `convert(model, "pre")` made it, with no blend left.
+    """End the transition: the model is exactly what `convert` made it, with no blend left.
 
     Raises if any piece of the machinery would stay behind (it would be a silent change of function).
     """
@@ -328,11 +390,9 @@ def finish(model: nn.Module) -> None:
             m.__class__ = prev
         for d in (m._forward_pre_hooks, m._forward_hooks):
             for key, h in list(d.items()):
-                if type(h) is BlendNormalizeBranchInput:
-                    h.__class__ = hooks.NormalizeBranchInput
-                    del h.transition
-                elif type(h) is BlendScaleBranchOutput:
-                    h.__class__ = hooks.ScaleBranchOutput
+                plain = _PLAIN_CLASS.get(type(h))
+                if plain is not None:
+                    h.__class__ = plain
                     del h.transition
                 elif isinstance(h, BlendFinalNorm):
                     del d[key]
@@ -352,7 +412,7 @@ def leftovers(model: nn.Module) -> list[str]:
     out = []
     for path, m in model.named_modules():
         blend_hooks = [h for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()
-                       if isinstance(h, (BlendNormalizeBranchInput, BlendScaleBranchOutput, BlendFinalNorm))]
+                       if isinstance(h, (*_PLAIN_CLASS, BlendFinalNorm))]
         if (ATTR in m.__dict__ or _PREV_CLASS in m.__dict__ or isinstance(m, (Transition, BlendEncoderLayer, BlendDecoderLayer))
                 or blend_hooks or any(_our_load_hook(h) for d in (m._load_state_dict_pre_hooks, m._load_state_dict_post_hooks)
                                       for h in d.values())):
@@ -379,4 +439,4 @@ def step_blend(t: Transition, global_step: int) -> float:
     return schedule((global_step - int(t.start_step)) / t.steps, t.kind)
 
 
-__all__ = ["SCHEDULES", "Transition", "active", "begin", "finish", "get_blend", "leftovers", "schedule", "set_blend", "start"]
+__all__ = ["SCHEDULES", "TARGETS", "Transition", "active", "begin", "check_target", "finish", "get_blend", "leftovers", "schedule", "set_blend", "start"]
