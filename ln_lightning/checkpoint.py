@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,6 +66,7 @@ from ln_lightning.placement import transition
 from ln_lightning.rewrite_record import MARKER
 
 CHECKPOINT_KEY = "ln_lightning"
+_TRANSITION_ENDED = "_ln_lightning_transition_finished"  # instance attribute: a transition ran on this model and ended
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -170,6 +170,17 @@ def check_unconverted(module: nn.Module, checkpoint: dict, *, where: str, resume
     return fresh_params if isinstance(checkpoint.get("optimizer_states"), list) else []
 
 
+def end_transition(module: nn.Module) -> None:
+    """End the transition under way on `module` (``transition.finish``), and note that it ran and ended."""
+    transition.finish(module)
+    module.__dict__[_TRANSITION_ENDED] = True
+
+
+def transition_ended(module: nn.Module) -> bool:
+    """Whether a transition ran on `module` and ended (:func:`end_transition`): its pre-norm model is the transition's."""
+    return module.__dict__.get(_TRANSITION_ENDED, False)
+
+
 def _transition_before_load(module: nn.Module, state: dict, resume_unconverted: bool) -> list[str]:
     """A transition under way meets a checkpoint: the keys to fill from the model (a plugin-less checkpoint:
     the transition starts at its step), or none. A rewritten model's checkpoint without the transition's
@@ -190,8 +201,7 @@ def _transition_before_load(module: nn.Module, state: dict, resume_unconverted: 
     if all(k in state for k in keys):
         return []
     if any(k.rpartition(".")[2] == MARKER for k in state):
-        transition.finish(module)
-        module.__dict__["_ln_lightning_transition_finished"] = True
+        end_transition(module)
         return []
     return keys if resume_unconverted else []
 
@@ -356,4 +366,4 @@ def restore(model: nn.Module, checkpoint: dict, report: Any, *, strict: bool = T
 
 
 __all__ = ["CHECKPOINT_KEY", "placement_entry", "qualified_name", "guard_loading", "remove_loading_guard",
-           "check_unconverted", "remap_optimizer_states", "read_checkpoint", "placement_config", "build_model", "restore"]
+           "check_unconverted", "end_transition", "transition_ended", "remap_optimizer_states", "read_checkpoint", "placement_config", "build_model", "restore"]

@@ -39,6 +39,7 @@ from ln_lightning.checkpoint import (
     CHECKPOINT_KEY,
     build_model,
     check_unconverted,
+    end_transition,
     guard_loading,
     placement_config,
     placement_entry,
@@ -46,6 +47,7 @@ from ln_lightning.checkpoint import (
     remap_optimizer_states,
     remove_loading_guard,
     restore,
+    transition_ended,
 )
 from ln_lightning.norm import FusedLayerNorm, swap_layernorms
 from ln_lightning.placement import PlacementError, convert, inspect_model, transition, validate_options
@@ -398,7 +400,7 @@ class LNPlacement(LayerSync, Callback):
 
     @staticmethod
     def _transition_known(model: nn.Module) -> bool:
-        return transition.active(model) is not None or model.__dict__.get("_ln_lightning_transition_finished", False)
+        return transition.active(model) is not None or transition_ended(model)
 
     def _check_scale_applies(self, model: nn.Module) -> None:
         # convert scales a branch only when it moves the branch's norm: a block already pre-norm keeps
@@ -494,8 +496,7 @@ class LNPlacement(LayerSync, Callback):
                 self._finish_transition(pl_module)
 
     def _finish_transition(self, pl_module: LightningModule) -> None:
-        transition.finish(pl_module)
-        pl_module.__dict__["_ln_lightning_transition_finished"] = True
+        end_transition(pl_module)
         info(log, f"LNPlacement: transition to pre-norm finished after {self.transition_steps} steps; the model is "
              "now exactly its pre-norm rewrite.")
 
