@@ -9,9 +9,10 @@ The format
 In the checkpoint dict, under ``checkpoint["ln_lightning"]`` (:data:`CHECKPOINT_KEY`), written by
 ``LNPlacement.on_save_checkpoint`` (:func:`placement_entry`) into every checkpoint of a run with the plugin:
 
-* ``"config"`` (dict): the configuration the model computes, whoever rewrote it: ``{"placement": "pre" |
-  "post", "final_norm": bool, "branch_scale": None | float | "depth" | "layerscale"}``, plus
-  ``"layerscale_init": float`` when it was given; ``LNPlacement(**config)`` rebuilds the same rewrite.
+* ``"config"`` (dict): the configuration the model computes, whoever rewrote it (``LNPlacement.config``):
+  ``{"placement": str, "final_norm": bool, "branch_scale": None | float | "depth" | "layerscale"}`` (the
+  placement one of ``convert``'s: ``"pre"``, ``"post"``, ...), plus the options given explicitly that
+  change the function (``"layerscale_init": float``); ``LNPlacement(**config)`` rebuilds the same rewrite.
 * ``"fused"`` (bool): whether the model's norms were ln_lightning's ``FusedLayerNorm`` when it was saved.
 * ``"report"`` (dict or None): ``ConversionReport.to_dict()`` of the rewrite the plugin did in that
   process; None when it trained a model rewritten before it.
@@ -31,7 +32,9 @@ In ``checkpoint["state_dict"]`` (and in any ``state_dict()`` of the rewritten mo
 Versions: there is no version field. ln_lightning 0.1.0 wrote ``"config"``, ``"fused"`` (then: what the
 plugin asked for), ``"report"`` and the marker, with the same encoding; ``"model_class"`` and the
 transition buffers came after it. The readers here take what is there: without ``"model_class"`` there is
-no class check, without ``"config"`` the marker's JSON is used, so 0.1.0 checkpoints load.
+no class check, without ``"config"`` the marker's JSON is used, so 0.1.0 checkpoints load. A ``"config"``
+key this version's ``LNPlacement`` does not take (a newer option) is refused by ``load_converted`` with
+ValueError, rather than dropped.
 
 What each guard refuses
 -----------------------
