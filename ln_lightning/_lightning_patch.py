@@ -1,4 +1,4 @@
-"""The one place where ln_lightning touches a Lightning internal.
+"""Everything of ln_lightning that touches a Lightning internal, in one version-guarded module.
 
 Why a patch at all: `Trainer(plugins=[...])` only accepts Precision, CheckpointIO, ClusterEnvironment and
 LayerSync objects, and the Trainer calls a LayerSync only from the DDP and FSDP strategies' `setup`, which
@@ -16,7 +16,12 @@ launched. The wrapper:
   before launching, so that the weights rank 0 sends back at the end (loaded with `strict=False` by
   Lightning) land in a model of the same architecture instead of silently dropping the added modules.
 
-`install()` is idempotent and refuses Lightning versions outside the tested range.
+`install()` is idempotent and refuses Lightning versions outside the tested range. The other internals
+read here: the Trainer's LayerSync plugin (`trainer._accelerator_connector._layer_sync`, in
+:func:`find_placements`), the spawn launcher's class (`_MultiProcessingLauncher`) and the Trainer a
+LightningModule is attached to (`module._trainer`, in :func:`attached_trainer`). This module imports nothing
+from the rest of ln_lightning: the plugin module registers its class (:func:`register_placement_class`), and
+the entry calls only that class's public methods (`check_strategy`, `rewrite`).
 """
 
 from __future__ import annotations
@@ -25,13 +30,17 @@ import functools
 from typing import Any, Callable
 
 import lightning
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer import call as _call
+from lightning.pytorch.trainer.states import TrainerFn
 
 # The range this patch was written against and CI tests (lightning / pytorch_lightning 2.5.6 and 2.6.6).
 # Outside it `install` raises: an untested patch could silently stop applying the rewrite.
 TESTED_LIGHTNING = ((2, 5), (2, 7))  # [min, max)
 
 _MARK = "__ln_lightning_patched__"
+_placement_type: type | None = None  # the plugin class the entry looks for (LNPlacement)
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -42,6 +51,12 @@ def _version_tuple(version: str) -> tuple[int, int]:
 def lightning_version_supported(version: str | None = None) -> bool:
     v = _version_tuple(version or lightning.__version__)
     return TESTED_LIGHTNING[0] <= v < TESTED_LIGHTNING[1]
+
+
+def check_version() -> None:
+    """Raise RuntimeError (naming the alternative) when the installed Lightning is outside the tested range."""
+    if not lightning_version_supported():
+        raise RuntimeError(_unsupported_version_message(lightning.__version__))
 
 
 def _unsupported_version_message(version: str) -> str:
@@ -75,8 +90,6 @@ def check_same_namespace(trainer: Any, obj: Any) -> None:
     `lightning.pytorch` and `pytorch_lightning` hold separate classes: the other Trainer would call the hooks
     but its strategies, modules and checkpoints would fail this object's type checks in confusing ways.
     """
-    from lightning.pytorch import Trainer
-
     if isinstance(trainer, Trainer):
         return
     theirs = next((_namespace(c) for c in type(trainer).__mro__ if _namespace(c)), None)
@@ -92,6 +105,69 @@ def check_same_namespace(trainer: Any, obj: Any) -> None:
     )
 
 
+def attached_trainer(module: Any) -> Any:
+    """The Trainer `module` (a LightningModule) is attached to, or None (no error when it is not attached)."""
+    return getattr(module, "_trainer", None)
+
+
+def overrides_configure_model(module: Any) -> bool:
+    """Whether the LightningModule's class defines its own `configure_model` (layers may be built there)."""
+    return getattr(type(module), "configure_model", None) is not LightningModule.configure_model
+
+
+def register_placement_class(cls: type) -> type:
+    """Class decorator: `cls` (LNPlacement) is what :func:`find_placements` and the Trainer entry look for."""
+    global _placement_type
+    _placement_type = cls
+    return cls
+
+
+def find_placements(trainer: Any) -> list:
+    """The placement plugins (the registered class) a Trainer holds, as its LayerSync plugin or as callbacks."""
+    if _placement_type is None:  # the plugin module was never imported: no placement object can exist
+        return []
+    found: list = []
+    connector = getattr(trainer, "_accelerator_connector", None)
+    layer_sync = getattr(connector, "_layer_sync", None)
+    if isinstance(layer_sync, _placement_type):
+        found.append(layer_sync)
+    for cb in trainer.callbacks:
+        if isinstance(cb, _placement_type) and all(cb is not f for f in found):
+            found.append(cb)
+    return found
+
+
+def _before_trainer_entry(trainer: Any) -> None:
+    """Called by the patch in the main process at the start of fit/validate/test/predict."""
+    placements = find_placements(trainer)
+    if not placements:
+        return
+    if len(placements) > 1:
+        raise ValueError(
+            f"the Trainer holds {len(placements)} LNPlacement objects ({placements}); a model has one placement: "
+            "keep one."
+        )
+    placement = placements[0]
+    if all(cb is not placement for cb in trainer.callbacks):
+        # First, so callbacks that hook LayerNorms in their own `setup` see the rewritten model.
+        trainer.callbacks.insert(0, placement)
+    launcher = trainer.strategy.launcher
+    if (
+        isinstance(launcher, _MultiProcessingLauncher)
+        and trainer.state.fn == TrainerFn.FITTING
+        and trainer.lightning_module is not None
+    ):
+        # Spawn/fork: the workers get a copy of this model and rank 0 sends its weights back at the end with
+        # load_state_dict(strict=False); rewrite here first so modules the rewrite adds are not dropped.
+        placement.check_strategy(trainer.strategy)
+        module = trainer.lightning_module
+        try:
+            placement.rewrite(module)
+        except Exception as err:  # layers built in configure_model, which the main process never runs
+            if not (overrides_configure_model(module) and type(err).__name__ == "PlacementError"):
+                raise
+
+
 def is_installed() -> bool:
     return getattr(_call._call_and_handle_interrupt, _MARK, False)
 
@@ -100,24 +176,13 @@ def install() -> None:
     """Wrap `call._call_and_handle_interrupt` once (idempotent)."""
     if is_installed():
         return
-    if not lightning_version_supported():
-        raise RuntimeError(_unsupported_version_message(lightning.__version__))
+    check_version()
     original = _call._call_and_handle_interrupt
 
-    @functools.wraps(original)
+    @functools.wraps(original)  # the original stays reachable as `__wrapped__`
     def _call_and_handle_interrupt(trainer: Any, trainer_fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        from ln_lightning.plugin import _before_trainer_entry  # late: plugin imports this module
-
         _before_trainer_entry(trainer)
         return original(trainer, trainer_fn, *args, **kwargs)
 
     setattr(_call_and_handle_interrupt, _MARK, True)
-    _call_and_handle_interrupt.__ln_lightning_original__ = original  # type: ignore[attr-defined]
     _call._call_and_handle_interrupt = _call_and_handle_interrupt
-
-
-def uninstall() -> None:
-    """Restore Lightning's own function (for tests)."""
-    fn = _call._call_and_handle_interrupt
-    if getattr(fn, _MARK, False):
-        _call._call_and_handle_interrupt = fn.__ln_lightning_original__

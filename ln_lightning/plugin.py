@@ -6,13 +6,14 @@ How it takes effect (Lightning 2.6): `LNPlacement` is a `LayerSync` (so the Trai
 and a `Callback`. Its `setup` hook runs on every strategy before `configure_model`, before checkpoint weights
 are restored and before `configure_optimizers`, so parameters the rewrite adds are trained and restored like
 any other. The Trainer does not call plugins as callbacks; `ln_lightning._lightning_patch` (one small,
-version-guarded wrapper) registers it, and rewrites the main process's model under spawn launchers.
+version-guarded wrapper, and every other Lightning internal the package reads) registers it, and rewrites the
+main process's model under spawn launchers. What the plugin writes into checkpoints, the guards that check
+them when they are loaded, and the reading behind `load_converted` are `ln_lightning.checkpoint`'s.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import math
 import logging
@@ -20,7 +21,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
@@ -35,15 +35,28 @@ from torch import nn
 
 from ln_lightning import _lightning_patch, rewrite_record
 from ln_lightning._warnings import info, warn
-from ln_lightning.placement import PlacementError, validate_options
+from ln_lightning.checkpoint import (
+    CHECKPOINT_KEY,
+    build_model,
+    check_unconverted,
+    end_transition,
+    guard_loading,
+    placement_config,
+    placement_entry,
+    read_checkpoint,
+    remap_optimizer_states,
+    remove_loading_guard,
+    restore,
+    transition_ended,
+)
+from ln_lightning.norm import FusedLayerNorm, swap_layernorms
+from ln_lightning.placement import PlacementError, convert, inspect_model, transition, validate_options
+# The state_dict marker and the config record are defined (and documented) in ln_lightning.rewrite_record.
+from ln_lightning.rewrite_record import MARKER
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "ln_lightning"
 REPORT_FILENAME = "ln_placement_report.json"
-# The marker and the config record are defined (and documented) in ln_lightning.rewrite_record.
-MARKER = rewrite_record.MARKER
-accept_unconverted = rewrite_record.accept_unconverted  # opt-in for a raw load_state_dict of unconverted weights
 
 # Strategies under which the rewrite is tested to take effect before checkpoint restore and optimizers.
 SUPPORTED_STRATEGIES: tuple[type[Strategy], ...] = (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy)
@@ -53,34 +66,7 @@ class UnsupportedStrategyError(RuntimeError):
     """`LNPlacement` cannot guarantee the rewrite under this strategy (raised at fit start)."""
 
 
-_fused_unavailable_logged = False
-
-
-def _placement_convert(model: nn.Module, **options: Any):
-    """The conversion engine (indirection so tests can stand in for it)."""
-    from ln_lightning.placement import convert
-
-    return convert(model, **options)
-
-
-def _swap_fused(model: nn.Module) -> Any:
-    """Swap LayerNorms for the fused implementation; None (logged once) when it isn't available."""
-    global _fused_unavailable_logged
-    try:
-        from ln_lightning.norm import swap_layernorms
-    except ImportError as err:
-        if not _fused_unavailable_logged:
-            warn(
-                f"LNPlacement(fused=True): the fused LayerNorm is not available ({err}); the model keeps "
-                "torch.nn.LayerNorm. Pass fused=False to silence this."
-            )
-            _fused_unavailable_logged = True
-        return None
-    return swap_layernorms(model)
-
-
 def _merge_swaps(swaps: list) -> dict | None:
-    swaps = [r for r in swaps if r is not None]
     if not swaps:
         return None
     return {
@@ -88,56 +74,6 @@ def _merge_swaps(swaps: list) -> dict | None:
         "skipped": [{"path": k.path, "reason": k.reason} for r in swaps for k in r.skipped],
         "backend": swaps[0].backend,
     }
-
-
-def _find_placements(trainer: Trainer) -> list["LNPlacement"]:
-    found: list[LNPlacement] = []
-    connector = getattr(trainer, "_accelerator_connector", None)
-    layer_sync = getattr(connector, "_layer_sync", None)
-    if isinstance(layer_sync, LNPlacement):
-        found.append(layer_sync)
-    for cb in trainer.callbacks:
-        if isinstance(cb, LNPlacement) and all(cb is not f for f in found):
-            found.append(cb)
-    return found
-
-
-def _before_trainer_entry(trainer: Trainer) -> None:
-    """Called by the patch in the main process at the start of fit/validate/test/predict."""
-    placements = _find_placements(trainer)
-    if not placements:
-        return
-    if len(placements) > 1:
-        raise ValueError(
-            f"the Trainer holds {len(placements)} LNPlacement objects ({placements}); a model has one placement: "
-            "keep one."
-        )
-    placement = placements[0]
-    if all(cb is not placement for cb in trainer.callbacks):
-        # First, so callbacks that hook LayerNorms in their own `setup` see the rewritten model.
-        trainer.callbacks.insert(0, placement)
-    launcher = trainer.strategy.launcher
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-    from lightning.pytorch.trainer.states import TrainerFn
-
-    if (
-        isinstance(launcher, _MultiProcessingLauncher)
-        and trainer.state.fn == TrainerFn.FITTING
-        and trainer.lightning_module is not None
-    ):
-        # Spawn/fork: the workers get a copy of this model and rank 0 sends its weights back at the end with
-        # load_state_dict(strict=False); rewrite here first so modules the rewrite adds are not dropped.
-        placement._check_strategy(trainer.strategy)
-        module = trainer.lightning_module
-        try:
-            placement.rewrite(module)
-        except Exception as err:  # layers built in configure_model, which the main process never runs
-            if not (_overrides_configure_model(module) and type(err).__name__ == "PlacementError"):
-                raise
-
-
-def _overrides_configure_model(module: LightningModule) -> bool:
-    return getattr(type(module), "configure_model", None) is not LightningModule.configure_model
 
 
 def _configure_model_then_rewrite(placement: "LNPlacement", trainer: Trainer, stage: str, module: LightningModule,
@@ -164,17 +100,11 @@ def _configure_model_then_rewrite(placement: "LNPlacement", trainer: Trainer, st
 
 
 def _placement_inspect(module: nn.Module) -> list[str]:
-    from ln_lightning.placement import inspect_model
-
     return inspect_model(module).block_paths()
 
 
 def _uses_fused(model: nn.Module) -> bool:
     """Whether the model's norms are ln_lightning's fused ones (what it computes with, whoever swapped them)."""
-    try:
-        from ln_lightning.norm import FusedLayerNorm
-    except ImportError:
-        return False
     return any(isinstance(m, FusedLayerNorm) for m in model.modules())
 
 
@@ -184,8 +114,6 @@ def _fmt(config: dict) -> str:
 
 def _rewritten_stacks(model: nn.Module, placement: str) -> list:
     """The stacks a rewrite to `placement` changed: those with a block of that placement ("mix": pre)."""
-    from ln_lightning.placement import inspect_model
-
     block_placement = "pre" if placement == "mix" else placement
     return [s for s in inspect_model(model).stacks if any(b.placement == block_placement for b in s.blocks)]
 
@@ -235,38 +163,7 @@ def _difference(existing: dict, request: dict, model: nn.Module, added: list[str
     return None
 
 
-def _takes_arguments(cls: type) -> bool:
-    try:
-        return bool(inspect.signature(cls).parameters)
-    except (TypeError, ValueError):
-        return True
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _class_matches(cls: type, recorded: str) -> bool:
-    for c in cls.__mro__:
-        name = _qualified(c)
-        # A class defined in a script is recorded as __main__.X and imported elsewhere as module.X.
-        if name == recorded or ("__main__" in (c.__module__, recorded.rpartition(".")[0])
-                                and c.__qualname__ == recorded.rpartition(".")[2]):
-            return True
-    return False
-
-
-def _is_guard(fn: Any) -> bool:
-    return isinstance(fn, functools.partial) and fn.func is _guarded_on_load_checkpoint
-
-
-def _guarded_on_load_checkpoint(placement: "LNPlacement", module: LightningModule, original, checkpoint: dict) -> None:
-    if _is_guard(vars(module).get("on_load_checkpoint")):
-        del module.on_load_checkpoint  # back to the previous method (this runs once)
-    original(checkpoint)
-    placement._check_checkpoint(module, checkpoint)
-
-
+@_lightning_patch.register_placement_class  # what the Trainer entry looks for (the patch imports nothing from here)
 class LNPlacement(LayerSync, Callback):
     r"""Rewrite the LayerNorm placement of the model a Trainer fits (post-norm -> pre-norm by default).
 
@@ -286,8 +183,7 @@ class LNPlacement(LayerSync, Callback):
         branch_scale: ``None``, a positive float ``c`` (``x + c*F(LN(x))``), ``"depth"`` (``c = 1/sqrt(2L)``)
             or ``"layerscale"`` (a learnable per-channel scale; adds parameters).
         layerscale_init: initial LayerScale value (default: the LayerScale paper's rule by depth).
-        fused: swap ``nn.LayerNorm`` for ``ln_lightning.norm``'s fused LayerNorm (same parameters). If that
-            implementation is not importable, a warning says so once and the model keeps ``nn.LayerNorm``.
+        fused: swap ``nn.LayerNorm`` for ``ln_lightning.norm``'s fused LayerNorm (same parameters).
         strict: raise if a block cannot be converted, instead of skipping it (the report lists skips).
         example_input: a probe input for the conversion check; default: the module's ``example_input_array``.
         sync_batchnorm: also convert BatchNorm layers to SyncBatchNorm on DDP/FSDP, as
@@ -365,26 +261,21 @@ class LNPlacement(LayerSync, Callback):
             raise TypeError("LNPlacement: layer_sync cannot be another LNPlacement; a model has one placement.")
         if layer_sync is not None and sync_batchnorm:
             raise ValueError("LNPlacement: pass sync_batchnorm=True or layer_sync=..., not both (Lightning runs one LayerSync).")
-        if not _lightning_patch.lightning_version_supported():
-            import lightning
-
-            raise RuntimeError(_lightning_patch._unsupported_version_message(lightning.__version__))
+        _lightning_patch.check_version()
         try:  # one set of rules, the engine's, so the plugin accepts exactly what convert() does
             validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init,
                              mix_post_blocks=mix_post_blocks)
         except PlacementError as err:
             raise PlacementError(f"LNPlacement: {err}") from None
         if transition_steps is not None:
-            from ln_lightning.placement.transition import SCHEDULES, check_target
-
             if isinstance(transition_steps, bool) or not isinstance(transition_steps, int) or transition_steps < 1:
                 raise ValueError(f"LNPlacement: transition_steps must be a positive int (optimizer steps) or None, got {transition_steps!r}.")
             try:
-                check_target(placement)
+                transition.check_target(placement)
             except PlacementError as err:
                 raise PlacementError(f"LNPlacement: {err}") from None
-            if transition_schedule not in SCHEDULES:
-                raise ValueError(f"LNPlacement: unknown transition_schedule {transition_schedule!r}; valid: {', '.join(map(repr, SCHEDULES))}.")
+            if transition_schedule not in transition.SCHEDULES:
+                raise ValueError(f"LNPlacement: unknown transition_schedule {transition_schedule!r}; valid: {', '.join(map(repr, transition.SCHEDULES))}.")
         _lightning_patch.install()
         self.transition_steps = transition_steps
         self.transition_schedule = transition_schedule
@@ -402,7 +293,7 @@ class LNPlacement(LayerSync, Callback):
         self.resume_unconverted = resume_unconverted
         self.layer_sync: LayerSync | None = TorchSyncBatchNorm() if sync_batchnorm else layer_sync
         self.report = None  # the ConversionReport of the last rewrite done in this process
-        self.swap_report: dict | None = None  # what the fused swap did (None: fused=False or not available)
+        self.swap_report: dict | None = None  # what the fused swap did (None: fused=False)
         self._report_pending = False  # a report not yet logged at a fit start
         self._note: str | None = None  # a line to log at the next announce (a model rewritten before this plugin)
 
@@ -454,7 +345,7 @@ class LNPlacement(LayerSync, Callback):
             return None
         self._check_scale_applies(model)
         # Swap first: convert wraps each norm's own class (DeferredNorm), which the swap then leaves alone.
-        swaps = [_swap_fused(model)] if self.fused else []
+        swaps = [swap_layernorms(model)] if self.fused else []
         example = self.example_input
         if example is None:
             example = getattr(model, "example_input_array", None)
@@ -464,7 +355,7 @@ class LNPlacement(LayerSync, Callback):
             ref = next(iter(model.parameters()), None)
             if ref is not None and ref.device.type != "meta":
                 example = move_data_to_device(example, ref.device)
-        report = _placement_convert(
+        report = convert(
             model,
             placement=self.placement,
             final_norm=self.final_norm,
@@ -474,14 +365,14 @@ class LNPlacement(LayerSync, Callback):
             **({"mix_post_blocks": self.mix_post_blocks} if self.mix_post_blocks is not None else {}),
             example_input=example,
         )
-        if self.fused and swaps[0] is not None:
+        if self.fused:
             for path in report.added:  # a final norm convert added is a plain nn.LayerNorm: swap it too
                 try:
                     added = model.get_submodule(path)
                 except AttributeError:
                     continue  # a parameter (LayerScale), not a module
                 if type(added) is nn.LayerNorm:  # (convert may already build it with the swapped class)
-                    swaps.append(_swap_fused(added))
+                    swaps.append(swap_layernorms(added))
         self.swap_report = _merge_swaps(swaps)
         if report.blocks:  # nothing recognised (layers built later, in configure_model): try again then
             # Markers on the owners of what changed (none when nothing did: there is nothing to guard).
@@ -490,8 +381,6 @@ class LNPlacement(LayerSync, Callback):
         self.report = report
         self._report_pending = True
         if self.transition_steps is not None and report.changed:
-            from ln_lightning.placement import transition
-
             transition.start(model, report, steps=self.transition_steps, schedule_kind=self.transition_schedule)
         return report
 
@@ -528,9 +417,7 @@ class LNPlacement(LayerSync, Callback):
 
     @staticmethod
     def _transition_known(model: nn.Module) -> bool:
-        from ln_lightning.placement import transition
-
-        return transition.active(model) is not None or model.__dict__.get("_ln_lightning_transition_finished", False)
+        return transition.active(model) is not None or transition_ended(model)
 
     def _check_scale_applies(self, model: nn.Module) -> None:
         # convert scales a branch only when it moves the branch's norm: a block already pre-norm keeps
@@ -538,8 +425,6 @@ class LNPlacement(LayerSync, Callback):
         if self.placement != "pre" or self.branch_scale is None:
             return
         try:
-            from ln_lightning.placement import inspect_model
-
             already = [b.path for b in inspect_model(model).blocks if b.placement == "pre"]
         except Exception:  # convert reports what it can't read; this check is only about the scale
             return
@@ -552,88 +437,21 @@ class LNPlacement(LayerSync, Callback):
             )
 
     def _check_checkpoint(self, module: LightningModule, checkpoint: dict) -> None:
-        """Before Lightning loads a ckpt_path into the rewritten model: one without the marker is refused or,
-        with resume_unconverted=True, loaded on purpose (markers and the rewrite's added weights filled in)."""
-        state = checkpoint.get("state_dict")
-        owners = rewrite_record.marker_owners(module)
-        if not isinstance(state, dict) or not owners:
-            return
-        transition_fill = self._transition_before_load(module, state)
-        missing = []
-        for name, _ in owners:
-            prefix = f"{name}." if name else ""
-            if prefix + MARKER not in state and any(k.startswith(prefix) for k in state):
-                missing.append(prefix + MARKER)
-        if not missing:
-            return  # markers present: the load-state-dict hook compares their configurations
-        config = self.applied_config(module)
-        trainer = getattr(module, "_trainer", None)
-        where = getattr(trainer, "ckpt_path", None) or "the checkpoint"
-        if not self.resume_unconverted:
-            raise RuntimeError(
-                f"LNPlacement: {where} was written without the placement rewrite (no '{MARKER}' entry): its weights "
-                f"were trained for the model before the rewrite, and this model is rewritten to ({_fmt(config or {})}), "
-                "which computes another function with them. To migrate a trained post-norm model, load its weights "
-                "into the unconverted model and fit with LNPlacement without ckpt_path; to load this checkpoint into "
-                "the rewritten model on purpose, pass LNPlacement(..., resume_unconverted=True)."
-            )
-        own = module.state_dict()
-        for key in missing + transition_fill:
-            state[key] = own[key].detach().cpu().clone()
-        added = rewrite_record.recorded_added(module) or []
-        fresh = [k for k in own if k not in state and any(k == a or k.startswith(a + ".") for a in added)]
-        for key in fresh:
-            state[key] = own[key].detach().cpu().clone()
-        fresh_params = [k for k in fresh if k in dict(module.named_parameters())]
-        if fresh_params and isinstance(checkpoint.get("optimizer_states"), list):
-            self._optimizer_remap = (checkpoint, fresh_params)  # done at on_fit_start, once the optimizers exist
-        warn(
-            f"LNPlacement(resume_unconverted=True): {where} was written without the placement rewrite; its weights are "
-            f"loaded into the model rewritten to ({_fmt(config or {})}), which computes "
-            + (f"exactly their own post-norm function at the resume and moves to pre-norm over the next "
-               f"{self.transition_steps} optimizer steps (transition_steps); the optimizer state of existing parameters "
-               "is kept." if transition_fill else
-               f"{(config or {}).get('placement')}-norm with them from the first step, not the function they were "
-               "trained for.")
-            + (f" Parameters the rewrite added keep their fresh values ({', '.join(fresh)})"
-               + ("; they start with fresh optimizer state, the existing parameters keep theirs." if fresh_params else ".")
-               if fresh else "")
-        )
+        """Before Lightning loads a ckpt_path into the rewritten model (``checkpoint.check_unconverted``)."""
+        where = getattr(_lightning_patch.attached_trainer(module), "ckpt_path", None) or "the checkpoint"
+        fresh = check_unconverted(module, checkpoint, where=where, resume_unconverted=self.resume_unconverted,
+                                  transition_steps=self.transition_steps)
+        if fresh:
+            self._optimizer_remap = (checkpoint, fresh)  # done at on_fit_start, once the optimizers exist
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After configure_optimizers, before Lightning restores the optimizer state from the checkpoint.
         remap, self._optimizer_remap = getattr(self, "_optimizer_remap", None), None
         if remap is not None:
-            _remap_optimizer_states(remap[0], trainer.optimizers, pl_module, set(remap[1]))
+            remap_optimizer_states(remap[0], trainer.optimizers, pl_module, set(remap[1]))
 
-    def _transition_before_load(self, module: nn.Module, state: dict) -> list[str]:
-        """A transition under way meets a checkpoint: the keys to fill from the model (a plugin-less checkpoint:
-        the transition starts at its step), or none. A rewritten model's checkpoint without the transition's
-        buffers was written after the transition ended: the model ends it too before the load."""
-        from ln_lightning.placement import transition
-
-        if transition.active(module) is None:
-            sched = state.get(transition.ATTR + ".schedule")
-            if sched is not None:
-                steps, kind = (int(v) for v in sched.tolist())
-                raise RuntimeError(
-                    f"LNPlacement: the checkpoint was written during a post->pre transition (blend "
-                    f"{float(state.get(transition.ATTR + '.blend', float('nan'))):.4g}), but this LNPlacement has no "
-                    f"transition_steps, so its model would compute another function with those weights. Pass "
-                    f"LNPlacement(..., transition_steps={steps}, transition_schedule={transition.SCHEDULES[kind]!r}) "
-                    "(the values it records)."
-                )
-            return []
-        keys = [k for k in module.state_dict() if k.startswith(transition.ATTR + ".")]
-        if all(k in state for k in keys):
-            return []
-        if any(k.rpartition(".")[2] == MARKER for k in state):
-            transition.finish(module)
-            module.__dict__["_ln_lightning_transition_finished"] = True
-            return []
-        return keys if self.resume_unconverted else []
-
-    def _check_strategy(self, strategy: Strategy) -> None:
+    def check_strategy(self, strategy: Strategy) -> None:
+        """Raise UnsupportedStrategyError unless the rewrite is tested to take effect in time under `strategy`."""
         if type(strategy) in SUPPORTED_STRATEGIES:
             return
         names = ", ".join(s.__name__ for s in SUPPORTED_STRATEGIES)
@@ -651,16 +469,14 @@ class LNPlacement(LayerSync, Callback):
         _lightning_patch.check_same_namespace(trainer, self)
         needs_rewrite = self.applied_config(pl_module) is None
         if stage == "fit" or needs_rewrite:
-            self._check_strategy(trainer.strategy)
+            self.check_strategy(trainer.strategy)
         # Runs before Lightning loads a ckpt_path (on every strategy), to refuse one written without the rewrite.
         # A guard left by a fit that failed before its teardown is replaced, not stacked or reused.
-        current = vars(pl_module).get("on_load_checkpoint")
-        original = current.args[2] if _is_guard(current) else pl_module.on_load_checkpoint
-        pl_module.on_load_checkpoint = functools.partial(_guarded_on_load_checkpoint, self, pl_module, original)
+        guard_loading(pl_module, self._check_checkpoint)
         if not needs_rewrite:
             self.rewrite(pl_module)  # already rewritten: the request must be the same function
         else:
-            lazy = _overrides_configure_model(pl_module)
+            lazy = _lightning_patch.overrides_configure_model(pl_module)
             try:
                 self.rewrite(pl_module)
             except Exception as err:  # e.g. "no LayerNorm": the layers may not exist before configure_model
@@ -677,8 +493,6 @@ class LNPlacement(LayerSync, Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """The transition's blend for this optimizer step, from `trainer.global_step` (the same on every rank)."""
-        from ln_lightning.placement import transition
-
         t = transition.active(pl_module)
         if t is None or self.transition_steps is None:
             return
@@ -693,25 +507,19 @@ class LNPlacement(LayerSync, Callback):
         pl_module.log("ln_placement/transition", a, on_step=True, on_epoch=False)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        from ln_lightning.placement import transition
-
         t = transition.active(pl_module)
         if t is not None and self.transition_steps is not None and int(t.start_step) >= 0:
             if transition.step_blend(t, trainer.global_step) >= 1.0:  # step N done: plain pre-norm from here on
                 self._finish_transition(pl_module)
 
     def _finish_transition(self, pl_module: LightningModule) -> None:
-        from ln_lightning.placement import transition
-
-        transition.finish(pl_module)
-        pl_module.__dict__["_ln_lightning_transition_finished"] = True
+        end_transition(pl_module)
         info(log, f"LNPlacement: transition to {self.placement}-norm finished after {self.transition_steps} steps; the "
              f"model is now exactly its {self.placement}-norm rewrite.")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._optimizer_remap = None  # a checkpoint loaded by validate/test is not the next fit's
-        if _is_guard(vars(pl_module).get("on_load_checkpoint")):  # no ckpt_path was loaded: remove the one-shot guard
-            del pl_module.on_load_checkpoint
+        remove_loading_guard(pl_module)  # no ckpt_path was loaded: remove the one-shot guard
 
     def _announce(self, trainer: Trainer, stage: str, rewrote: bool) -> None:
         if self._note is not None:
@@ -758,13 +566,9 @@ class LNPlacement(LayerSync, Callback):
                 experiment.add_text("ln_placement/report", "```\n" + str(report) + "\n```", global_step=0)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        checkpoint[CHECKPOINT_KEY] = {
-            # What the model computes, whoever rewrote it (this plugin, an earlier one, or convert).
-            "config": self.applied_config(pl_module) or self.config,
-            "fused": _uses_fused(pl_module),  # what the model runs, not what this plugin asked for
-            "report": self.report.to_dict() if self.report is not None else None,
-            "model_class": _qualified(type(pl_module)),  # load_converted checks the class it is given
-        }
+        checkpoint[CHECKPOINT_KEY] = placement_entry(
+            pl_module, config=self.applied_config(pl_module) or self.config, fused=_uses_fused(pl_module), report=self.report
+        )
 
     # ------------------------------------------------------------------ LayerSync (DDP / FSDP strategies)
     def apply(self, model: nn.Module) -> nn.Module:
@@ -783,66 +587,6 @@ class LNPlacement(LayerSync, Callback):
         if self.layer_sync is not None:
             model = self.layer_sync.revert(model)
         return model
-
-
-def _remap_optimizer_states(checkpoint: dict, optimizers: list, module: nn.Module, added: set[str]) -> None:
-    """Make a plugin-less checkpoint's optimizer states fit optimizers that also hold the parameters the rewrite
-    added: the saved states keep their parameters (in the order the same configure_optimizers gave them without
-    the added ones), the added parameters get none (fresh). Refuses when the groups don't line up that way."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    for k, (opt, saved) in enumerate(zip(optimizers, checkpoint["optimizer_states"])):
-        groups = saved.get("param_groups", [])
-        if sum(len(g["params"]) for g in groups) == sum(len(g["params"]) for g in opt.param_groups):
-            continue  # this optimizer holds none of the added parameters
-        kept = [[p for p in g["params"] if names.get(id(p)) not in added] for g in opt.param_groups]
-        if len(groups) != len(opt.param_groups) or any(len(a) != len(g["params"]) for a, g in zip(kept, groups)):
-            raise RuntimeError(
-                f"LNPlacement(resume_unconverted=True): the checkpoint's optimizer {k} has parameter groups of sizes "
-                f"{[len(g['params']) for g in groups]}, which are not this optimizer's groups "
-                f"{[len(g['params']) for g in opt.param_groups]} without the parameters the rewrite added "
-                f"({', '.join(sorted(added))}). Build the optimizer from self.parameters() (or groups that differ only "
-                "by those), or pass LNPlacement(final_norm=False, branch_scale=None) so the rewrite adds no parameters."
-            )
-        state, new_state, new_groups, index = saved.get("state", {}), {}, [], 0
-        for g_new, g_old in zip(opt.param_groups, groups):
-            old_ids = iter(g_old["params"])
-            ids = []
-            for p in g_new["params"]:
-                if names.get(id(p)) not in added:
-                    old = next(old_ids)
-                    if old in state:
-                        new_state[index] = state[old]
-                ids.append(index)
-                index += 1
-            new_groups.append({**g_old, "params": ids})
-        saved["state"], saved["param_groups"] = new_state, new_groups
-
-
-def _read_checkpoint(path: Path, map_location: Any) -> dict:
-    """torch.load, with every way a file can fail to be a checkpoint turned into one message naming it."""
-    if not path.exists():
-        raise FileNotFoundError(f"load_converted: {path} does not exist.")
-    if path.is_dir():
-        raise ValueError(
-            f"load_converted: {path} is a directory (a distributed checkpoint); consolidate it into one file first, "
-            "e.g. ModelParallelStrategy(save_distributed_checkpoint=False), or "
-            "`python -m lightning.fabric.utilities.consolidate_checkpoint PATH`."
-        )
-    if path.stat().st_size == 0:
-        raise ValueError(f"load_converted: {path} is empty (0 bytes), not a checkpoint (was its run killed while saving?).")
-    try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as err:  # zip/pickle/EOF/unpickling errors: one message, not torch's internals
-        raise ValueError(
-            f"load_converted: cannot read {path} as a PyTorch checkpoint: {type(err).__name__}: {str(err).rstrip('.')}. It may be "
-            "truncated (a run killed while saving) or another kind of file."
-        ) from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict", checkpoint), dict):
-        raise ValueError(
-            f"load_converted: {path} holds a {type(checkpoint).__name__}, not a checkpoint (a dict with a "
-            "'state_dict', or a state_dict)."
-        )
-    return checkpoint
 
 
 def load_converted(
@@ -868,75 +612,17 @@ def load_converted(
         model = load_converted(CharLM, "lightning_logs/version_0/checkpoints/last.ckpt")
     """
     path = Path(checkpoint_path)
-    checkpoint = _read_checkpoint(path, map_location)
-    state_dict = checkpoint.get("state_dict", checkpoint)
-    info = checkpoint.get(CHECKPOINT_KEY)
-    info = info if isinstance(info, dict) else {}
-    config = info.get("config")
-    if config is None:
-        markers = [k for k in state_dict if k.rpartition(".")[2] == MARKER]
-        if not markers:
-            raise ValueError(
-                f"load_converted: {path} records no placement rewrite (no checkpoint['{CHECKPOINT_KEY}'] and no "
-                f"'{MARKER}' entry); load it the usual way (Model.load_from_checkpoint / load_state_dict)."
-            )
-        config = rewrite_record.decode_config(state_dict[markers[0]])
-        if config is None:
-            raise ValueError(f"load_converted: {path}: the '{markers[0]}' entry is not a placement record.")
-    recorded_class = info.get("model_class")
-    cls = model if isinstance(model, type) else type(model)
-    if recorded_class and not _class_matches(cls, recorded_class):
-        raise ValueError(
-            f"load_converted: {path} was written from {recorded_class}, not {_qualified(cls)}: its weights (and "
-            f"hyperparameters) belong to that class. Pass {recorded_class.rpartition('.')[2]} or an instance of it."
-        )
-    if isinstance(model, type):
-        source = "model_kwargs"
-        if issubclass(model, LightningModule):
-            hparams = checkpoint.get(LightningModule.CHECKPOINT_HYPER_PARAMS_KEY) or {}
-            kwargs = {k: v for k, v in dict(hparams).items() if not k.startswith("_")}
-            if kwargs:
-                source = "the hyperparameters stored in the checkpoint" + (" and model_kwargs" if model_kwargs else "")
-            elif not model_kwargs and _takes_arguments(model):
-                raise ValueError(
-                    f"load_converted: {path} stores no hyperparameters (the module did not call "
-                    f"self.save_hyperparameters()), so {model.__name__} would be built with its constructor defaults, "
-                    "which may describe another model whose weights happen to fit. Pass an instance, "
-                    f"load_converted({model.__name__}(...), path), or the constructor arguments, "
-                    f"load_converted({model.__name__}, path, d_model=..., ...)."
-                )
-            kwargs.update(model_kwargs)
-        else:
-            if not model_kwargs and _takes_arguments(model):
-                raise ValueError(
-                    f"load_converted: {model.__name__} is a plain nn.Module class and a checkpoint stores no constructor "
-                    f"arguments for it; pass them (load_converted({model.__name__}, path, ...)) or an instance."
-                )
-            kwargs = dict(model_kwargs)
-        try:
-            model = model(**kwargs)
-        except TypeError as err:
-            raise TypeError(
-                f"load_converted: building {model.__name__}(**{sorted(kwargs)}) from {source} ({path}) failed: {err}."
-                + (f" The checkpoint was written from {recorded_class}." if recorded_class else
-                   " Is it a checkpoint of this class?")
-            ) from None
-    elif model_kwargs:
-        raise TypeError(f"load_converted: model_kwargs {sorted(model_kwargs)} are only used when `model` is a class")
+    checkpoint = read_checkpoint(path, map_location)
+    config = placement_config(checkpoint, path)
+    model = build_model(model, checkpoint, path, model_kwargs)
     try:
         placement = LNPlacement(**config, fused=fused, log_report=False)
     except (TypeError, ValueError) as err:
         raise ValueError(f"load_converted: {path} records a placement configuration LNPlacement can't build: {err}") from None
     placement.rewrite(model)
-    from ln_lightning.placement import transition
-
-    if any(k.startswith(transition.ATTR + ".") for k in state_dict):  # written mid-transition: restore its blend
-        transition.start(model, placement.report)
-    if isinstance(model, LightningModule):
-        model.on_load_checkpoint(checkpoint)
-    model.load_state_dict(state_dict, strict=strict)
-    return model.eval()
+    return restore(model, checkpoint, placement.report, strict=strict)
 
 
-__all__ = ["LNPlacement", "load_converted", "accept_unconverted", "UnsupportedStrategyError", "SUPPORTED_STRATEGIES", "MARKER",
-           "CHECKPOINT_KEY"]
+__all__ = ["LNPlacement", "load_converted", "UnsupportedStrategyError", "SUPPORTED_STRATEGIES", "REPORT_FILENAME",
+           # re-exported: the keys a rewrite leaves in checkpoints (ln_lightning.checkpoint, ln_lightning.rewrite_record)
+           "MARKER", "CHECKPOINT_KEY"]

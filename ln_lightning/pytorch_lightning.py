@@ -7,10 +7,10 @@
 
 ``lightning.pytorch`` and ``pytorch_lightning`` are the same code under two package names, with separate
 classes: a ``pytorch_lightning.Trainer`` accepts only ``pytorch_lightning`` plugins and callbacks. The names
-here are ln_lightning's Lightning-facing modules (``ln_lightning.plugin``, ``ln_lightning.callbacks``,
-``ln_lightning._lightning_patch``) loaded a second time with ``lightning.pytorch`` read as
-``pytorch_lightning`` and ``lightning.fabric`` as ``lightning_fabric`` - the renaming Lightning's own release
-applies to produce the ``pytorch_lightning`` package. One code base, and honest classes: this
+here are ln_lightning's Lightning-facing modules (``ln_lightning.plugin``, ``ln_lightning.checkpoint``,
+``ln_lightning.callbacks``, ``ln_lightning._lightning_patch``) loaded a second time with ``lightning.pytorch``
+read as ``pytorch_lightning`` and ``lightning.fabric`` as ``lightning_fabric`` - the renaming Lightning's own
+release applies to produce the ``pytorch_lightning`` package. One code base, and honest classes: this
 ``LNPlacement`` is a ``pytorch_lightning`` ``LayerSync`` and ``Callback``, not a ``lightning.pytorch`` one.
 The placement engine, the fused norm, the rewrite record and :class:`ln_lightning.LNLightningWarning`
 use no Lightning class and are shared, so checkpoints move freely between the two namespaces.
@@ -39,6 +39,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 # The modules that import Lightning classes (the rest of the package is Lightning-free and shared).
 _CLONED = frozenset({
     "_lightning_patch",
+    "checkpoint",
     "plugin",
     "callbacks",
     "callbacks._common",

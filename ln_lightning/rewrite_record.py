@@ -1,7 +1,6 @@
 """What a placement rewrite records on the model, so that anyone can read what the model computes.
 
-A rewritten model carries two records, written by whoever rewrote it (`LNPlacement` does; `convert` should
-call :func:`record` the same way once it changes a model):
+A rewritten model carries two records, written by :func:`record`:
 
 * **the configuration**, on the root module as the attribute ``_ln_lightning_placement_config`` (it pickles
   with the model, so ``ddp_spawn`` workers see it): a dict with exactly ``LNPlacement``'s / ``convert``'s
@@ -21,15 +20,13 @@ call :func:`record` the same way once it changes a model):
     explicitly: :func:`accept_unconverted` for a raw ``load_state_dict``,
     ``LNPlacement(resume_unconverted=True)`` for a Trainer's ``ckpt_path``.
 
-For ``convert`` to record itself (the one call it needs, when ``report.changed``)::
+``convert`` records the configuration (``record(..., owners=())``: no marker) whenever it changes a model;
+``LNPlacement`` records both. Models rewritten by ``convert`` before it recorded anything (ln_lightning 0.1.0)
+are recognised by what the engine leaves (deferred norms, branch-scale modules) and their configuration is
+read back from their structure (:func:`infer_config`).
 
-    rewrite_record.record(model, {"placement": placement, "final_norm": final_norm, "branch_scale": branch_scale,
-                                  **({"layerscale_init": layerscale_init} if layerscale_init is not None else {})},
-                          [b.path for b in report.converted], added=report.added)
-
-Models rewritten by ``convert`` before it records anything are recognised by what the engine leaves
-(deferred norms, branch-scale modules) and their configuration is read back from their structure
-(:func:`infer_config`); that fallback goes once ``convert`` calls :func:`record`.
+How checkpoints carry these records, and what else a run with ``LNPlacement`` writes into them, is
+documented in ``ln_lightning.checkpoint``.
 """
 
 from __future__ import annotations
@@ -217,28 +214,6 @@ def accept_unconverted(model: nn.Module) -> Iterator[nn.Module]:
 
 
 # ---------------------------------------------------------------------------------------------- inference
-def _branch_scale_class() -> type | None:
-    try:
-        from ln_lightning.placement.scale import BranchScale  # noqa: PLC0415
-    except ImportError:
-        return None
-    return BranchScale
-
-
-def _is_branch_scale(module: nn.Module, cls: type | None) -> bool:
-    if cls is not None:
-        return isinstance(module, cls)
-    return type(module).__name__ == "BranchScale" and callable(getattr(module, "value", None))
-
-
-def _is_deferred(module: nn.Module) -> bool:
-    try:
-        from ln_lightning.placement import is_deferred  # noqa: PLC0415
-    except ImportError:
-        return False
-    return is_deferred(module)
-
-
 def infer_config(model: nn.Module) -> dict | None:
     """The configuration of an engine rewrite that left no record, read from the model's structure; None if none.
 
@@ -247,12 +222,14 @@ def infer_config(model: nn.Module) -> dict | None:
     (one constant, ``1/sqrt(2L)`` per stack, or learnable), ``final_norm`` is True when every rewritten stack
     ends in a norm. ``layerscale_init`` can't be recovered (the scales may have trained) and is left out.
     """
-    scale_cls = _branch_scale_class()
-    modules = list(model.modules())
-    if not any(_is_deferred(m) or _is_branch_scale(m, scale_cls) for m in modules):
-        return None
-    from ln_lightning.placement import inspect_model  # noqa: PLC0415
+    # Here, not at the top: the engine imports this module to record what convert did, and this fallback reads
+    # the engine's own structures (it would sit better on placement's side).
+    from ln_lightning.placement import inspect_model, is_deferred  # noqa: PLC0415
+    from ln_lightning.placement.scale import BranchScale  # noqa: PLC0415
 
+    modules = list(model.modules())
+    if not any(is_deferred(m) or isinstance(m, BranchScale) for m in modules):
+        return None
     stacks = [s for s in inspect_model(model).stacks if any(b.placement == "pre" for b in s.blocks)]
     if not stacks:
         return None
@@ -262,7 +239,7 @@ def infer_config(model: nn.Module) -> dict | None:
         for b in s.blocks:
             block = model.get_submodule(b.path)
             for m in block.modules():
-                if _is_branch_scale(m, scale_cls):
+                if isinstance(m, BranchScale):
                     values.append("layerscale" if getattr(m, "learnable", False) else float(m.value().detach().float().cpu()))
         kinds = set(values)
         per_stack.append(None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed")

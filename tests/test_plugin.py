@@ -35,11 +35,6 @@ from ln_lightning.plugin import (  # noqa: E402
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _standin():
-    h.install_standin_if_needed()
-
-
 def _trainer(tmp_path, plugin=None, max_steps=2, **kw):
     kw.setdefault("plugins", [plugin if plugin is not None else LNPlacement("pre", fused=False)])
     return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=1, num_sanity_val_steps=0,
@@ -143,7 +138,6 @@ def test_report_logged_once_as_console_and_json_and_checkpoint_records_config(tm
 @pytest.fixture(scope="module")
 def trained_ckpt(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trained")
-    h.install_standin_if_needed()
     ckpt = ModelCheckpoint(dirpath=str(tmp), save_last=True)
     trainer = _trainer(tmp, callbacks=[ckpt], max_steps=3, logger=False)
     model = _tiny_lm()
@@ -328,8 +322,6 @@ class _AlreadyPreLM(LightningModule):
 
 
 def test_model_that_needs_no_change_trains_and_the_report_says_so(tmp_path, caplog):
-    if not h.real_convert_available():
-        pytest.skip("needs the real convert()")
     placement = LNPlacement("pre", fused=False)
     model = _AlreadyPreLM()
     before = h.full_state(model)

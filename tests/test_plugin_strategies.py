@@ -94,7 +94,6 @@ def _wait(procs, timeout=240):
 
 
 def test_single_cpu(tmp_path):
-    h.install_standin_if_needed()
     h.run_scenario(dict(accelerator="cpu", devices=1), str(tmp_path))
     _check_records(str(tmp_path), 1)
 
@@ -132,7 +131,6 @@ def test_model_parallel_fsdp2_two_cpu_processes(tmp_path):
 @pytest.mark.slow
 def test_ddp_spawn_main_process_keeps_every_trained_weight(tmp_path):
     out = str(tmp_path)
-    h.install_standin_if_needed()
     torch.manual_seed(0)
     spawn = dict(accelerator="cpu", devices=2, strategy="ddp_spawn")
     trainer = h.make_trainer(spawn, out, "fit", max_steps=3)

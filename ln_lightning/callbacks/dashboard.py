@@ -33,9 +33,9 @@ def monitor_layout(trainer: Trainer) -> dict[str, dict[str, list]]:
                 layout.setdefault(category, {}).update(charts)
     if layout:
         # A post->pre transition in progress (LNPlacement(transition_steps=N)): its blend next to the stream charts.
-        from ln_lightning.plugin import _find_placements  # noqa: PLC0415 (import cycle)
+        from ln_lightning._lightning_patch import find_placements  # noqa: PLC0415
 
-        if any(getattr(p, "transition_steps", None) for p in _find_placements(trainer)):
+        if any(getattr(p, "transition_steps", None) for p in find_placements(trainer)):
             category = next((c for c in layout if "residual stream" in c), "ln-lightning: placement")
             layout.setdefault(category, {})["placement transition (0 post-norm, 1 pre-norm)"] = ["Multiline", ["ln_placement/transition"]]
     return layout
