@@ -232,7 +232,6 @@ def _branch_modules(blk: _Block, s: int, branch_vals: set, add: Event) -> list[s
 
 
 def _plan(blk: _Block, s: int, b: int, add: Event, norm_call: Event, branch_vals: set) -> RewritePlan:
-    rec = blk.rec
     if len(blk.calls_of(norm_call.module)) != 1:
         raise Unrecognised(f"norm {norm_call.name} is called {len(blk.calls_of(norm_call.module))} times in the block (shared between sublayers)")
     entries: dict[int, Event] = {}

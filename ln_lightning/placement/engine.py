@@ -19,10 +19,10 @@ from ln_lightning.placement import final_norm as fn
 from ln_lightning.placement import hooks
 from ln_lightning.placement.blocks import Handler, ScaleFactory
 from ln_lightning.placement.checks import CheckFailed, relative_error, tolerance
-from ln_lightning.placement.discovery import CONTAINERS, Example, Found, Stack, discover, eval_no_grad, run_model, synthetic_probe
+from ln_lightning.placement.discovery import CONTAINERS, Example, Found, Stack, discover, eval_no_grad, synthetic_probe
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.norms import norm_types
-from ln_lightning.placement.options import _validate, mix_split
+from ln_lightning.placement.options import mix_split, validate_options
 from ln_lightning.placement.plan import Unrecognised
 from ln_lightning.placement.report import BlockChange, ConversionReport, NormInfo, PlacementReport, StackInfo
 from ln_lightning.placement.transaction import Snapshot
@@ -209,7 +209,8 @@ def convert(
         (['converted', 'converted'], ['blocks_final_norm'])
     """
     _check_model(model, "convert")
-    _validate(placement, final_norm, branch_scale, strict, layerscale_init, mix_post_blocks)
+    validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init,
+                     mix_post_blocks=mix_post_blocks)
     if isinstance(model._modules.get("ln_lightning_transition"), nn.Module):
         # Mid-transition the blocks compute a blend; rewriting them now would leave it half-undone.
         raise PlacementError(

@@ -14,7 +14,8 @@ _PLACEMENT_HELP = (
 BRANCH_SCALES = "None, a positive float c, 'depth' (c = 1/sqrt(2L)) or 'layerscale'"
 
 
-def _validate(placement, final_norm, branch_scale, strict, layerscale_init, mix_post_blocks=None) -> None:
+def validate_options(placement="pre", *, final_norm=True, branch_scale=None, strict=False, layerscale_init=None, mix_post_blocks=None) -> None:
+    """Raise PlacementError for options `convert` would reject (convert, and LNPlacement at construction)."""
     if placement not in PLACEMENTS:
         raise PlacementError(f"unknown placement {placement!r}; valid placements are {_PLACEMENT_HELP}")
     if mix_post_blocks is not None:
@@ -42,11 +43,6 @@ def _validate(placement, final_norm, branch_scale, strict, layerscale_init, mix_
             raise PlacementError("layerscale_init is only used with branch_scale='layerscale'")
         if isinstance(layerscale_init, bool) or not isinstance(layerscale_init, (int, float)) or not math.isfinite(layerscale_init) or layerscale_init <= 0:
             raise PlacementError(f"layerscale_init must be a positive finite float, got layerscale_init={layerscale_init!r}")
-
-
-def validate_options(placement="pre", *, final_norm=True, branch_scale=None, strict=False, layerscale_init=None, mix_post_blocks=None) -> None:
-    """Raise PlacementError for options `convert` would reject (used by LNPlacement at construction)."""
-    _validate(placement, final_norm, branch_scale, strict, layerscale_init, mix_post_blocks)
 
 
 def mix_split(placement: str, depth: int, mix_post_blocks: int | None) -> list[str]:
