@@ -30,6 +30,15 @@ def apply_weight(n: Tensor, weight: Optional[Tensor], offset: float, rnd: Option
     return n if n.dtype == ydt else n.to(ydt)
 
 
+def compiled_kernel_takes(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], residual_in_fp32: bool,
+                          cast: str) -> bool:
+    """Whether :func:`add_rms_norm_impl` runs these inputs on the compiled CPU kernel (else on aten ops)."""
+    rdt = _common.residual_dtype(x, residual, residual_in_fp32)
+    wdt = _weight_dtype(weight)
+    return _cpu_rms_kernels.usable_forward(x, rdt, _rms_common.round_dtype(cast, x.dtype, wdt),
+                                           _rms_common.output_dtype(cast, x.dtype, wdt))
+
+
 def add_rms_norm_impl(
     x: Tensor,
     residual: Optional[Tensor],

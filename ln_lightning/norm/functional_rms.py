@@ -19,6 +19,21 @@ _triton_rms = None
 EAGER_COMPOSITE_BELOW = 1 << 13
 
 
+def _eager_composite(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], residual_in_fp32: bool, cast: str) -> bool:
+    """Whether an eager torch-backend call runs as the reference modules' own ops (`_composite`) rather
+    than the custom op. The custom op pays off through the compiled CPU kernel; without it (float16,
+    float64, another device, a failed build) its aten composition was 0.7-0.95x eager for half inputs
+    and forward-only calls, and 1.2-3x for float32 forward+backward (its one-formula backward), on 2
+    CPU cores (benchmarks/bench_norm.py "[aten]"): so the composition, except for that last case."""
+    if x.numel() < EAGER_COMPOSITE_BELOW:
+        return True
+    if _rms_torch_ops.compiled_kernel_takes(x, residual, weight, residual_in_fp32, cast):
+        return False
+    grad = torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
+                                        or (weight is not None and weight.requires_grad))
+    return not (grad and x.dtype in (torch.float32, torch.float64))
+
+
 def _ops(backend: str):
     """The forward op for a resolved backend: the ``torch.library`` op while torch.compile traces,
     the equivalent ``autograd.Function`` in eager mode. Imports triton only when it is used."""
@@ -120,7 +135,7 @@ def fused_add_rms_norm(
     if name == "triton" and residual is not None and residual.dtype not in _backend.TRITON_DTYPES:
         name = _backend.resolve_backend(residual, _backend.canonical_backend(backend))
     stored = _rms_common.stores_residual(x, residual, residual_in_fp32)
-    if name == "torch" and x.numel() < EAGER_COMPOSITE_BELOW and not torch.compiler.is_compiling():
+    if name == "torch" and not torch.compiler.is_compiling() and _eager_composite(x, residual, weight, residual_in_fp32, cast_order):
         y, h = _composite(x, residual, weight, eps, residual_in_fp32, weight_offset, cast_order, len(shape))
         return y, (h if stored else x)
     x2 = x.reshape(-1, hidden).contiguous()
