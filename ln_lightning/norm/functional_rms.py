@@ -64,6 +64,8 @@ def _check_input(x: Tensor, residual: Optional[Tensor]) -> None:
 
 
 def _normalized_shape(x: Tensor, weight: Optional[Tensor], normalized_shape) -> tuple[int, ...]:
+    if normalized_shape is None and weight is not None and weight.dim() == 1 and x.dim() and x.shape[-1] == weight.shape[0]:
+        return tuple(weight.shape)  # the usual call, checked without building tuples (tiny calls are Python-bound)
     if normalized_shape is None:
         normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],)
     elif isinstance(normalized_shape, int):
@@ -128,16 +130,17 @@ def fused_add_rms_norm(
     _check_input(x, residual)
     _rms_common.check_cast(cast_order)
     shape = _normalized_shape(x, weight, normalized_shape)
-    hidden = math.prod(shape)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    name = _backend.resolve_backend(x, _backend.canonical_backend(backend))
+    explicit = None if backend is None else _backend.canonical_backend(backend)
+    name = _backend.resolve_backend(x, explicit)
     if name == "triton" and residual is not None and residual.dtype not in _backend.TRITON_DTYPES:
-        name = _backend.resolve_backend(residual, _backend.canonical_backend(backend))
-    stored = _rms_common.stores_residual(x, residual, residual_in_fp32)
+        name = _backend.resolve_backend(residual, explicit)
+    stored = residual is not None or _rms_common.stores_residual(x, residual, residual_in_fp32)
     if name == "torch" and not torch.compiler.is_compiling() and _eager_composite(x, residual, weight, residual_in_fp32, cast_order):
         y, h = _composite(x, residual, weight, eps, residual_in_fp32, weight_offset, cast_order, len(shape))
         return y, (h if stored else x)
+    hidden = math.prod(shape)
     x2 = x.reshape(-1, hidden).contiguous()
     r2 = None if residual is None else residual.reshape(-1, hidden).contiguous()
     w = None if weight is None else weight.reshape(-1)
