@@ -421,6 +421,13 @@ def test_user_groups_regex_and_function(tmp_path):
     assert set(shares) == {"attn", "mlp", "norms", "other"}
     assert math.isclose(sum(shares.values()), 1.0, rel_tol=1e-5)
 
+    # the monitor pickles with its regex groups (ddp_spawn sends callbacks to the workers)
+    import pickle
+
+    fn_copy = pickle.loads(pickle.dumps(ClipAttributionMonitor(groups=groups)))._group_fn_user
+    assert [fn_copy(n) for n in ("model.blocks.0.attn.qkv.weight", "model.blocks.1.ln2.bias", "model.head.weight")] == \
+        ["attn", "norms", None]
+
     # the same partition as a function gives the same shares
     def fn(name):
         for g, key in (("attn", ".attn."), ("mlp", ".mlp.")):

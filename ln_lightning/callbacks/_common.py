@@ -236,7 +236,7 @@ class ActivationMonitor(MonitorBase):
 
     def _nothing_found(self) -> str:
         """The warning when there is nothing to hook."""
-        return f"{type(self).__name__} found nothing to monitor and will log nothing."
+        raise NotImplementedError
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:

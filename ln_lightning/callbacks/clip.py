@@ -60,21 +60,20 @@ def default_group_fn(pl_module: nn.Module, block_paths: list[str]) -> Callable[[
     return group
 
 
-def _regex_group_fn(mapping: Mapping[str, str]) -> Callable[[str], str | None]:
-    compiled = []
-    for group, pattern in mapping.items():
-        try:
-            compiled.append((group, re.compile(pattern)))
-        except re.error as err:
-            raise ValueError(f"ClipAttributionMonitor: group {group!r} has an invalid regex {pattern!r}: {err}") from None
+class _RegexGroups:
+    """`{group: regex}` as a `param_name -> group` function (first match wins); a class, so that the monitor
+    pickles (ddp_spawn sends callbacks to the workers)."""
 
-    def group(name: str) -> str | None:
-        for g, rx in compiled:
-            if rx.search(name):
-                return g
-        return None
+    def __init__(self, mapping: Mapping[str, str]):
+        self._compiled = []
+        for group, pattern in mapping.items():
+            try:
+                self._compiled.append((group, re.compile(pattern)))
+            except re.error as err:
+                raise ValueError(f"ClipAttributionMonitor: group {group!r} has an invalid regex {pattern!r}: {err}") from None
 
-    return group
+    def __call__(self, name: str) -> str | None:
+        return next((g for g, rx in self._compiled if rx.search(name)), None)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -88,9 +87,8 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 class _Plan:
     """Per optimizer: parameter order, group of each parameter, and how its squared norm crosses ranks."""
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], groups: list[str], group_of: list[int]):
+    def __init__(self, params: list[nn.Parameter], groups: list[str], group_of: list[int]):
         self.params = params
-        self.names = names
         self.groups = groups
         self.group_of = group_of
         self.meta: list[tuple[int, float] | None] = [None] * len(params)  # (_SHARDED/_REPLICATED, weight) once a grad is seen
@@ -161,10 +159,9 @@ class ClipAttributionMonitor(MonitorBase):
         elif isinstance(groups, Mapping):
             if not groups:
                 raise ValueError("ClipAttributionMonitor: groups mapping is empty; pass None for the default groups")
-            self._group_fn_user = _regex_group_fn(groups)
+            self._group_fn_user = _RegexGroups(groups)
         else:
             raise TypeError(f"groups must be None, a mapping name->regex or a function name->group, got {type(groups).__name__}")
-        self.groups_spec = groups
         self.track_window = track_window
         self._group_fn: Callable[[str], str | None] | None = None
         self._plans: dict[int, _Plan] = {}
@@ -219,7 +216,7 @@ class ClipAttributionMonitor(MonitorBase):
         if plan is not None and len(plan.params) == len(params) and all(a is b for a, b in zip(plan.params, params)):
             return plan
         names_by_id = {id(p): normalize_name(n, pl_module) for n, p in pl_module.named_parameters(remove_duplicate=False)}
-        names, group_names, group_of = [], [], []
+        group_names, group_of = [], []
         index: dict[str, int] = {}
         for i, p in enumerate(params):
             name = names_by_id.get(id(p), f"<unnamed param {i}>")
@@ -228,9 +225,8 @@ class ClipAttributionMonitor(MonitorBase):
             if g not in index:
                 index[g] = len(group_names)
                 group_names.append(g)
-            names.append(name)
             group_of.append(index[g])
-        plan = _Plan(params, names, group_names, group_of)
+        plan = _Plan(params, group_names, group_of)
         self._plans[id(optimizer)] = plan
         return plan
 
