@@ -20,14 +20,14 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
 
 from ln_lightning._warnings import info, warn
-from ln_lightning.plugin import _find_placements
+from ln_lightning.plugin import _find_placements  # the Trainer's LNPlacement, given as a plugin or a callback
 
 _log = logging.getLogger(__name__)
 _WRITTEN_ATTR = "_ln_lightning_layout_written"
 
 
 class DashboardPart:
-    """A callback's part of the custom-scalars layout (the ln_lightning monitors are ones)."""
+    """A callback that adds charts to the custom-scalars layout (every ln_lightning monitor does)."""
 
     def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
         """{category: {chart title: ["Multiline", [regex, ...]]}}, as `SummaryWriter.add_custom_scalars` takes."""
