@@ -4,8 +4,8 @@ One process, one Trainer, one model (the demo `CharLM` on the standard-library c
 clipping on, TensorBoard logger, Lightning's own logging every 50 steps). The run alternates arms
 in blocks of 50 steps aligned with the logging interval: in an "on" block the three monitors have
 their hooks registered and run (the block ends with a logging step, as every 50th step does); in
-an "off" block their hooks are removed and the clip monitor returns at once, so the step does what
-it would do without them. Alternating in one run makes load from other processes hit both arms
+an "off" block they are torn down (hooks removed, the clip monitor returns at once), so the step
+does what it would do without them. Alternating in one run makes load from other processes hit both arms
 alike; each on-block is compared with the mean of its neighbouring off-blocks, and the median of
 those paired ratios is the headline (robust to a noisy, shared machine), with the plain mean too.
 Step time is the interval between consecutive `on_train_batch_start` calls (forward, backward,
@@ -71,14 +71,11 @@ class ArmSwitch(L.Callback):
         if want == self.on:
             return
         for mon in self.monitors:
-            if isinstance(mon, ClipAttributionMonitor):
-                mon.track_window = want
-                mon._every = self.every if want else 0
-            elif want:
-                mon.setup(trainer, pl_module, "fit")  # re-registers the forward hooks
+            if want:
+                mon.setup(trainer, pl_module, "fit")  # re-enables: registers the forward hooks
                 mon.on_fit_start(trainer, pl_module)  # re-allocates the device buffers
             else:
-                mon.teardown(trainer, pl_module, "fit")  # removes the hooks
+                mon.teardown(trainer, pl_module, "fit")  # disabled: hooks removed, the clip monitor returns at once
         self.on = want
 
 

@@ -120,6 +120,38 @@ def all_monitors(every: int = 2, **kw):
             ClipAttributionMonitor(every_n_steps=every, **kw)]
 
 
+class CountReductions(L.Callback):
+    """Records, per rank, each all-reduce made from `ln_lightning/callbacks/_reduce.py` (step, "sum"/"max") and the
+    number of `reduce_to_host` host copies; written to OUT/reductions_rank{R}.json when training ends."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        import torch.distributed as dist
+
+        from ln_lightning.callbacks import _reduce
+
+        self.records, self.copies_at_start, original = [], _reduce.HOST_COPIES, dist.all_reduce
+
+        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if sys._getframe(1).f_code.co_filename.replace("\\", "/").endswith("ln_lightning/callbacks/_reduce.py"):
+                self.records.append([trainer.global_step, "sum" if op == dist.ReduceOp.SUM else "max"])
+            return original(tensor, op=op, group=group, async_op=async_op)
+
+        all_reduce.original = original
+        dist.all_reduce = all_reduce
+
+    def on_train_end(self, trainer, pl_module):
+        import torch.distributed as dist
+
+        from ln_lightning.callbacks import _reduce
+
+        dist.all_reduce = dist.all_reduce.original
+        Path(self.out, f"reductions_rank{trainer.global_rank}.json").write_text(json.dumps(
+            {"all_reduces": self.records, "host_copies": _reduce.HOST_COPIES - self.copies_at_start}))
+
+
 def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag of the event files under `log_dir`, as [(step, value)]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -284,7 +316,7 @@ def run_ddp(out: str) -> None:
     # fp32, no accumulation, with norm clipping configured
     x, y = make_data(world=2, accum=1)
     _trainer(out, "ddp_fp32", accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4,
-             gradient_clip_val=0.05, callbacks=all_monitors()).fit(FixedBatchLM(x, y))
+             gradient_clip_val=0.05, callbacks=[*all_monitors(), CountReductions(out)]).fit(FixedBatchLM(x, y))
     # bf16 autocast and gradient accumulation together
     x, y = make_data(world=2, accum=2)
     _trainer(out, "ddp_bf16_accum", accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4,

@@ -63,6 +63,65 @@ def test_no_import_cycles_at_module_level():
     assert not cycles, cycles
 
 
+def _graph(module_level_only: bool, mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports; a module importing its own ancestor package is no cycle."""
+    return {m: {d for d in _imports(m, p, module_level_only, mods) if d in mods and d != m and not m.startswith(d + ".")}
+            for m, p in mods.items()}
+
+
+def _cyclic_groups(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components with more than one module (Tarjan): every module on some cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+# Subpackages with no import cycle even through imports inside functions: moving an import into a function
+# hides a cycle from the module-level check, it does not remove the dependency.
+NO_HIDDEN_CYCLES = ("ln_lightning.callbacks",)
+
+
+def test_no_import_cycles_through_function_level_imports():
+    cyclic = _cyclic_groups(_graph(False, _modules()))
+    touching = [sorted(g) for g in cyclic if any(m == s or m.startswith(s + ".") for m in g for s in NO_HIDDEN_CYCLES)]
+    assert not touching, touching
+
+
+def test_the_cycle_check_sees_imports_inside_functions(tmp_path):
+    # The cycle callbacks/_common.py <-> callbacks/dashboard.py once had, both sides inside functions.
+    common, dashboard = tmp_path / "_common.py", tmp_path / "dashboard.py"
+    common.write_text("def on_fit_start():\n    from ln_lightning.callbacks.dashboard import write_layout_once\n")
+    dashboard.write_text("def monitor_layout():\n    from ln_lightning.callbacks._common import MonitorBase\n")
+    mods = {"ln_lightning.callbacks._common": common, "ln_lightning.callbacks.dashboard": dashboard}
+    assert _cyclic_groups(_graph(True, mods)) == []
+    assert _cyclic_groups(_graph(False, mods)) == [set(mods)]
+
+
 LEAF_MODULES = {"ln_lightning._warnings"}  # the warning class and helpers: import nothing from the package
 
 

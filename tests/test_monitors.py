@@ -197,6 +197,79 @@ def test_one_host_sync_per_logging_step_and_no_work_otherwise(tmp_path):
     assert sorted(c[0] for c in calls if c[2] in _SYNCING) == [2, 3, 3, 5, 6, 6]
 
 
+def test_packed_stats_named_states_reduce_with_one_sum_one_max_and_one_host_copy(monkeypatch):
+    from ln_lightning.callbacks import _reduce
+    from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats
+
+    stats = PackedStats("cpu")
+    stats.add_state("a", 3, SUM)
+    stats.add_state("m", (2, 2), MAX)
+    stats.add_state("b", (2, 2), SUM)
+    stats.add_state("z", 2, MAX, default=0.0)
+    assert stats["a"].shape == (3,) and stats["m"].shape == (2, 2) and stats["z"].tolist() == [0.0, 0.0]
+    stats["a"].add_(torch.tensor([1.0, 2.0, 3.0]))
+    stats["b"][1, 0] += 5.0
+    stats["m"][0, 1] = 7.0
+    with pytest.raises(RuntimeError, match="declare them all first"):
+        stats.add_state("late", 1, SUM)
+
+    calls = []
+    monkeypatch.setattr(_reduce, "distributed_world", lambda: 2)
+    monkeypatch.setattr(_reduce.dist, "all_reduce", lambda t, op, group=None: calls.append((op, t.data_ptr(), t.numel())))
+    copies = _reduce.HOST_COPIES
+    host = stats.reduce_to_host()
+    # The SUM states side by side, then the MAX states: one collective each, over one storage.
+    assert calls == [(_reduce.dist.ReduceOp.SUM, stats["a"].data_ptr(), 3 + 4), (_reduce.dist.ReduceOp.MAX, stats["m"].data_ptr(), 4 + 2)]
+    assert _reduce.HOST_COPIES == copies + 1
+    inf = float("inf")
+    assert host == {"a": [1.0, 2.0, 3.0], "m": [[-inf, 7.0], [-inf, -inf]], "b": [[0.0, 0.0], [5.0, 0.0]], "z": [0.0, 0.0]}
+    stats.reset()
+    assert stats.reduce_to_host(across_ranks=False) == {"a": [0.0] * 3, "m": [[-inf, -inf]] * 2, "b": [[0.0, 0.0]] * 2, "z": [0.0, 0.0]}
+    assert len(calls) == 2  # across_ranks=False: no collective
+
+    sums_only = PackedStats()
+    sums_only.add_state("n", 2, SUM)
+    with pytest.raises(ValueError, match="declared twice"):
+        sums_only.add_state("n", 2, SUM)
+    sums_only.reduce_to_host()
+    assert len(calls) == 3 and calls[-1][0] == _reduce.dist.ReduceOp.SUM  # no MAX state: no MAX collective
+    with pytest.raises(TypeError, match="SUM or MAX"):
+        PackedStats().add_state("x", 1, "sum")
+
+
+class _MonitorHooks(L.Callback):
+    """Counts the forward (pre-)hooks that ln_lightning/callbacks code put on the model, when training starts."""
+
+    def on_train_start(self, trainer, pl_module):
+        hooks = [h for m in pl_module.modules() for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
+        files = [getattr(getattr(h, "__code__", None), "co_filename", "").replace("\\", "/") for h in hooks]  # ours are closures
+        self.count = sum("ln_lightning/callbacks" in f for f in files)
+
+
+def test_without_a_logger_the_monitors_do_no_work_and_say_so_once(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from ln_lightning import LNLightningWarning
+
+    x, y = make_data(world=1, accum=1)
+    seen = {}
+    for logger in (False, TensorBoardLogger(str(tmp_path), name="with_logger")):
+        hooks = _MonitorHooks()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, log_every_n_steps=2, gradient_clip_val=0.05,
+                            logger=logger, callbacks=[hooks, *all_monitors(every=2)], enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings(record=True) as caught, _TorchCallsFromMonitors(trainer) as spy:
+            warnings.simplefilter("always")
+            trainer.fit(FixedBatchLM(x, y))
+        said = [w for w in caught if issubclass(w.category, LNLightningWarning) and "no logger" in str(w.message)]
+        seen[bool(logger)] = (hooks.count, len(spy.calls), said)
+    assert seen[True][0] == len(BLOCKS) + len(NORMS) and seen[True][1] > 0 and seen[True][2] == []  # the spy sees work
+    count, calls, said = seen[False]
+    assert count == 0 and calls == 0, "monitors without a logger registered hooks or computed statistics"
+    assert len(said) == 1, [str(w.message) for w in said]
+    assert all(name in str(said[0].message) for name in ("StreamNormMonitor", "LayerNormInputMonitor", "ClipAttributionMonitor"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Robustness
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +420,13 @@ def test_user_groups_regex_and_function(tmp_path):
     shares = {t.split("/", 2)[2]: v[0][1] for t, v in logged.items() if t.startswith("clip/share/")}
     assert set(shares) == {"attn", "mlp", "norms", "other"}
     assert math.isclose(sum(shares.values()), 1.0, rel_tol=1e-5)
+
+    # the monitor pickles with its regex groups (ddp_spawn sends callbacks to the workers)
+    import pickle
+
+    fn_copy = pickle.loads(pickle.dumps(ClipAttributionMonitor(groups=groups)))._group_fn_user
+    assert [fn_copy(n) for n in ("model.blocks.0.attn.qkv.weight", "model.blocks.1.ln2.bias", "model.head.weight")] == \
+        ["attn", "norms", None]
 
     # the same partition as a function gives the same shares
     def fn(name):

@@ -6,6 +6,7 @@ it. The logged values are compared with single-process references on all ranks' 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -58,6 +59,14 @@ def test_ddp_spawn_equals_single_process_on_concatenated_batches(tmp_path):
     expected.update(reference_grad_stats(model, concat_batches(x), concat_batches(y), clip_val=0.05))
     assert compare(logged, expected, rtol=1e-4, steps=[1, 3]) == []
     _assert_in_run_total_matches(logged)
+    # Per logging step (1 and 3) and rank: one SUM all-reduce per monitor, one MAX for the LayerNorm and clip
+    # monitors (the stream monitor has no MAX state), one host copy each. Clip reduces at the step itself,
+    # stream and LayerNorm once it is done (global_step already advanced).
+    for rank in (0, 1):
+        counted = json.loads((tmp_path / f"reductions_rank{rank}.json").read_text())
+        assert counted["all_reduces"] == [[1, "sum"], [1, "max"], [2, "sum"], [2, "sum"], [2, "max"],
+                                          [3, "sum"], [3, "max"], [4, "sum"], [4, "sum"], [4, "max"]], counted
+        assert counted["host_copies"] == 3 * 2
     # rank 0's batch alone gives different statistics: the reduction across ranks is what makes them match
     rank0 = reference_forward_stats(model, concat_batches(x[:1]))
     for tag in ("ln/var_mean/model.blocks.0.ln1", "stream/update_ratio/model.blocks.0"):

@@ -573,7 +573,7 @@ def test_dashboard_shows_the_transition_next_to_the_stream_charts(tmp_path):
 
     t = trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), callbacks=[StreamNormMonitor()])
     stream = monitor_layout(t)["ln-lightning: residual stream"]
-    assert stream["placement transition (0 post-norm, 1 pre-norm)"] == ["Multiline", ["ln_placement/transition"]]
+    assert stream["placement transition (0 as trained, 1 converted)"] == ["Multiline", ["ln_placement/transition"]]
     plain = trainer(tmp_path, LNPlacement("pre", fused=False, log_report=False), callbacks=[StreamNormMonitor()])
     assert not any("transition" in title for cat in monitor_layout(plain).values() for title in cat)
 

@@ -173,7 +173,7 @@ class NoNorms(pl.LightningModule):  # nothing for the monitors to watch: each wa
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+trainer = pl.Trainer(max_steps=1, logger=pl.loggers.CSVLogger("."), enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, callbacks=[LayerNormInputMonitor(), StreamNormMonitor()])
 with warnings.catch_warnings(record=True) as caught:
     if not sys.warnoptions:  # keep a -W error::... given on the command line

@@ -1,18 +1,21 @@
-"""What the three monitors share: the logging schedule, module discovery, names, and writing to loggers."""
+"""What the three monitors share: their lifecycle (setup, fit start, teardown; off without a logger), the
+logging schedule and forward-hook lifecycle of the activation monitors, module discovery, names, and
+writing to loggers."""
 
 from __future__ import annotations
 
-import logging
 import re
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
-from ln_lightning._warnings import info, warn
-
-_log = logging.getLogger(__name__)
+from ln_lightning import _lightning_patch
+from ln_lightning._warnings import warn
+from ln_lightning.callbacks._reduce import PackedStats
+from ln_lightning.callbacks.dashboard import DashboardPart, DepthProfileWriter, write_layout_once
+from ln_lightning.placement import inspect_model
 
 # Path components that wrappers insert between a LightningModule and the user's modules.
 _WRAPPER_SEGMENTS = ("_forward_module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -33,7 +36,7 @@ def normalize_name(name: str, root: nn.Module | None = None) -> str:
     return ".".join(parts)
 
 
-def named_modules_normalized(root: nn.Module) -> dict[str, nn.Module]:
+def _named_modules_normalized(root: nn.Module) -> dict[str, nn.Module]:
     """`root.named_modules()` keyed by normalised path (the first path wins for a shared module)."""
     out: dict[str, nn.Module] = {}
     for name, module in root.named_modules():
@@ -48,8 +51,6 @@ def discover_blocks(pl_module: nn.Module) -> tuple[list[str], str]:
     A model the engine can't read gives no blocks and the reason (the monitor then says so and asks
     for the block paths); nothing is guessed from container shapes.
     """
-    from ln_lightning.placement import inspect_model  # noqa: PLC0415 (keeps `import ln_lightning.callbacks` light)
-
     try:
         report = inspect_model(pl_module)
     except Exception as err:  # noqa: BLE001 - a monitor must not stop training: report and let the user name paths
@@ -63,7 +64,7 @@ def discover_blocks(pl_module: nn.Module) -> tuple[list[str], str]:
 
 def resolve_paths(pl_module: nn.Module, paths: Iterable[str], what: str) -> list[tuple[str, nn.Module]]:
     """Look up user-given module paths (normalised), with an error that lists what does exist."""
-    modules = named_modules_normalized(pl_module)
+    modules = _named_modules_normalized(pl_module)
     out = []
     for raw in paths:
         path = normalize_name(raw, pl_module)
@@ -91,17 +92,27 @@ def first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
+def metric_safe(name: str) -> str:
+    """A module path as it appears in a metric name (TensorBoard tags allow dots; drop spaces)."""
+    return re.sub(r"\s+", "_", name)
 
-class MonitorBase(Callback):
-    """The logging schedule shared by the monitors.
+
+class MonitorBase(DashboardPart, Callback):
+    """The lifecycle and output shared by the monitors.
 
     Step `s` (0-based optimizer steps, `trainer.global_step` while it runs) is a logging step when
     `(s + 1) % every_n_steps == 0`: the same steps on which Lightning logs its own training metrics,
     logged under the same step number. Statistics of a logging step cover every micro-batch of it
     (gradient accumulation) on every rank.
+
+    A monitor is enabled from `setup("fit")` to `teardown("fit")`, and only when the Trainer has a
+    logger: with ``logger=False`` nothing would record its metrics, so it does no work at all (the
+    first monitor says so, once). Subclasses implement `_prepare` (at setup), `_start` (at fit start,
+    the model wrapped and on its device) and `_stop` (at teardown), and log through `_log` and
+    `_depth_profile`.
     """
 
-    family = ""  # metric prefix, "stream" / "ln" / "clip"
+    _CATEGORY = ""  # this monitor's category in the custom-scalars layout
 
     def __init__(self, every_n_steps: int | None = None, log_depth_profile: bool = True):
         # bool is an int subclass: every_n_steps=True would silently mean "every step".
@@ -110,24 +121,164 @@ class MonitorBase(Callback):
         self.every_n_steps = every_n_steps
         self.log_depth_profile = log_depth_profile
         self._every = 0  # resolved at setup; 0 = never log
-        # The gate the hooks read: a plain Python bool, so a step that does not log costs one attribute check.
-        self._active = False
+        self._enabled = False
+        self._profiles = DepthProfileWriter(type(self).__name__)
+
+    def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
+        return {self._CATEGORY: {title: ["Multiline", [regex]] for title, regex in self._charts(trainer).items()}}
+
+    def _charts(self, trainer: Trainer) -> dict[str, str]:
+        """{chart title: regex of the tags it draws}, one line per tag."""
+        return {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        _lightning_patch.check_same_namespace(trainer, self)
+        if stage != "fit":
+            return
+        self._every = self.every_n_steps if self.every_n_steps is not None else int(trainer.log_every_n_steps or 0)
+        self._enabled = bool(trainer.loggers)
+        if not self._enabled:
+            _say_no_logger(trainer, self)
+            return
+        self._prepare(trainer, pl_module)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._enabled:
+            self._start(trainer, pl_module)
+            write_layout_once(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._enabled = False
+            self._stop()
+
+    def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """At setup("fit"), with a logger: what can be done before the model is wrapped."""
+
+    def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """At fit start: what needs the final model and its device."""
+
+    def _stop(self) -> None:
+        """At teardown("fit"): let go of hooks and buffers."""
+
+    # -- schedule and output --------------------------------------------------------------------
+    def _is_log_step(self, step: int) -> bool:
+        return self._enabled and self._every > 0 and (step + 1) % self._every == 0
+
+    def _log(self, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+        if trainer.is_global_zero and metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _depth_profile(self, trainer: Trainer, tag: str, step: int, **plot_kwargs) -> None:
+        """A depth-profile image (see `dashboard.DepthProfilePlot.render_image` for the arguments)."""
+        if self.log_depth_profile:
+            self.log_depth_profile = self._profiles.write(trainer, tag, step, **plot_kwargs)
+
+
+def _say_no_logger(trainer: Trainer, monitor: MonitorBase) -> None:
+    """One warning per fit, from the first monitor, naming them all."""
+    monitors = [cb for cb in trainer.callbacks if isinstance(cb, MonitorBase)]
+    if monitors and monitors[0] is not monitor:
+        return
+    names = ", ".join(type(m).__name__ for m in monitors) or type(monitor).__name__
+    warn(f"ln_lightning monitors ({names}): the Trainer has no logger (logger=False), so nothing would record their "
+         "metrics; they are off for this run (no hooks, no statistics). Pass a logger (TensorBoardLogger, "
+         "CSVLogger, ...) to record them.")
+
+
+class ActivationMonitor(MonitorBase):
+    """A monitor that reads activations with forward hooks, on logging steps only.
+
+    Hooks are registered once, at setup (before DDP/FSDP wrapping and a `torch.compile` in
+    `configure_model`), or at fit start for a model that only exists after `configure_model`. They read
+    `self._active`, a plain bool that is True only inside a logging step's training batches (not during
+    validation), so a step that does not log costs one attribute check per hook. The statistics live
+    in one `PackedStats`, allocated at fit start, reset at the start of each logging step and reduced
+    across ranks at its end.
+
+    Subclasses implement `_targets` (the modules to hook), `_make_hook`, `_declare` (the statistics'
+    states) and `_report` (metrics and depth-profile panels from the reduced statistics), and set
+    `_PRE_HOOK` and `_PROFILE`.
+    """
+
+    _PRE_HOOK = False  # True: forward pre-hooks (the module's input); False: forward hooks, run first
+    _PROFILE = ("", "", "")  # the depth-profile image's tag, title and x label (x: index into self._paths)
+
+    def __init__(self, every_n_steps: int | None = None, log_depth_profile: bool = True):
+        super().__init__(every_n_steps, log_depth_profile)
+        self._paths: list[str] = []  # the hooked modules' normalised paths (public as block_paths, norm_paths)
+        self._handles: list[Any] = []
+        self._stats: PackedStats | None = None
+        self._active = False  # the gate the hooks read
+        self._paused = False
         self._step_at_start = -1
         self._log_step = -1
-        self._paused_active = False
-        self._profile_plot = None
+
+    # -- subclass API ---------------------------------------------------------------------------
+    def _targets(self, pl_module: LightningModule) -> list[tuple[str, nn.Module]]:
+        """(normalised path, module) of every module to hook, in logging order."""
+        raise NotImplementedError
+
+    def _make_hook(self, index: int, path: str, module: nn.Module) -> Callable:
+        """The hook for `self._paths[index]`: update `self._stats` while `self._active`."""
+        raise NotImplementedError
+
+    def _declare(self, stats: PackedStats, n: int) -> None:
+        """Declare the states (`stats.add_state`) for `n` hooked modules."""
+        raise NotImplementedError
+
+    def _report(self, stats: dict[str, Any], step: int) -> tuple[dict[str, float], list[tuple[str, dict[str, list[float]], bool]]]:
+        """From the reduced statistics (`PackedStats.reduce_to_host`): the metrics of logging step `step`,
+        and the depth-profile panels (`dashboard.DepthProfilePlot.render_image`'s)."""
+        raise NotImplementedError
+
+    def _nothing_found(self) -> str:
+        """The warning when there is nothing to hook."""
+        raise NotImplementedError
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._handles:
+            self._register(pl_module)
+
+    def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._handles:
+            # The model may only exist after configure_model; hooks added now miss a torch.compile done there.
+            self._register(pl_module)
+            if not self._handles:
+                warn(self._nothing_found())
+                return
+        self._stats = PackedStats(pl_module.device)
+        self._declare(self._stats, len(self._paths))
+        self._stats.reset()  # allocates now, not in the first logging step
+
+    def _stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._stats = None
+        self._active = self._paused = False
+
+    def _register(self, pl_module: LightningModule) -> None:
+        targets = self._targets(pl_module)
+        self._paths = [path for path, _ in targets]
+        for index, (path, module) in enumerate(targets):
+            hook = self._make_hook(index, path, module)
+            if self._PRE_HOOK:
+                handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+            else:
+                # prepend: see the module's own output, before hooks that post-process it (the final norm
+                # convert() adds to a stack is applied by a hook on its last block).
+                handle = module.register_forward_hook(hook, with_kwargs=True, prepend=True)
+            self._handles.append(handle)
 
     # -- schedule -------------------------------------------------------------------------------
-    def _resolve_every(self, trainer: Trainer) -> None:
-        self._every = self.every_n_steps if self.every_n_steps is not None else int(trainer.log_every_n_steps or 0)
-
-    def _is_log_step(self, step: int) -> bool:
-        return self._every > 0 and (step + 1) % self._every == 0
-
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if self._is_log_step(step) and not self._active:
-            self._begin_window(trainer, pl_module)
+        if not self._active and self._stats is not None and self._is_log_step(step):
+            self._stats.reset()
             self._active = True
             self._log_step = step
         self._step_at_start = step
@@ -136,109 +287,15 @@ class MonitorBase(Callback):
         # The step is complete once the optimizer has stepped (not after a mere accumulation micro-batch).
         if self._active and trainer.global_step != self._step_at_start:
             self._active = False
-            self._flush(trainer, pl_module, self._log_step)
+            step = self._log_step
+            metrics, panels = self._report(self._stats.reduce_to_host(across_ranks=trainer.world_size > 1), step)
+            self._log(trainer, metrics, step)
+            tag, title, xlabel = self._PROFILE
+            self._depth_profile(trainer, tag, step, title=f"{title} (step {step})", panels=panels,
+                                xlabels=[str(i) for i in range(len(self._paths))], xlabel=xlabel)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._paused_active, self._active = self._active, False
+        self._paused, self._active = self._active, False
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._active, self._paused_active = self._paused_active, False
-
-    # -- subclass API ---------------------------------------------------------------------------
-    def _begin_window(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Zero the device accumulators for the logging step about to run."""
-
-    def _flush(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        """Reduce across ranks, copy to host once, log."""
-
-    def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
-        """This monitor's part of the TensorBoard custom-scalars layout: {category: {chart: [kind, regexes]}}."""
-        return {}
-
-    # -- output ---------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from ln_lightning.callbacks.dashboard import write_layout_once  # noqa: PLC0415 (import cycle)
-
-        write_layout_once(trainer)
-
-    def _log(self, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
-        if not trainer.is_global_zero or not metrics:
-            return
-        if not trainer.loggers:
-            _say_once(trainer, "no_logger", f"ln_lightning monitors: the Trainer has no logger (logger=False), so "
-                      f"{type(self).__name__}'s metrics are computed but recorded nowhere; pass a logger "
-                      "(TensorBoardLogger, CSVLogger, ...) to keep them.")
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-
-    def _depth_profile(self, trainer: Trainer, tag: str, step: int, **plot_kwargs) -> None:
-        """Log a depth-profile image to every logger that takes images (a TensorBoard SummaryWriter)."""
-        if not (self.log_depth_profile and trainer.is_global_zero and trainer.loggers):
-            return
-        writers = _image_writers(trainer)
-        if not writers:
-            return
-        try:
-            from ln_lightning.callbacks.dashboard import DepthProfilePlot  # noqa: PLC0415
-            import PIL  # noqa: F401, PLC0415 (TensorBoard's add_image needs it too)
-        except ImportError as err:
-            warn(
-                f"{type(self).__name__}: depth-profile images need Pillow ({err}); "
-                "install it or pass log_depth_profile=False. Scalars are still logged."
-            )
-            self.log_depth_profile = False
-            return
-        if self._profile_plot is None:
-            self._profile_plot = DepthProfilePlot()
-        try:
-            png, height, width = self._profile_plot.render_png(**plot_kwargs)
-            for writer in writers:
-                get_file_writer = getattr(writer, "_get_file_writer", None)
-                file_writer = get_file_writer() if callable(get_file_writer) else None
-                if file_writer is not None:
-                    # The PNG is already encoded (palette, fast zlib): hand it over as an image summary, as add_image would.
-                    from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: PLC0415
-
-                    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
-                    file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
-                else:
-                    writer.add_image(tag, self._profile_plot.render(**plot_kwargs), global_step=step, dataformats="HWC")
-        except Exception as err:  # an image must never stop training: turn images off, keep the scalars
-            warn(f"{type(self).__name__}: logging the depth-profile image failed ({type(err).__name__}: {err}); "
-                 "images are off for the rest of this run, scalars are still logged.")
-            self.log_depth_profile = False
-
-
-def _say_once(trainer: Trainer, key: str, message: str) -> None:
-    """One info line per Trainer and topic, however many monitors run into it."""
-    said = trainer.__dict__.setdefault("_ln_lightning_said", set())
-    if key not in said:
-        said.add(key)
-        info(_log, message)
-
-
-def _image_writers(trainer: Trainer) -> list[Any]:
-    """The loggers' experiments that take images; one message names the loggers that don't."""
-    from lightning.pytorch.loggers.logger import DummyLogger  # noqa: PLC0415
-
-    writers, others = [], []
-    for logger in trainer.loggers:
-        if isinstance(logger, DummyLogger):
-            continue  # fast_dev_run: Lightning turned logging off, and said so
-        try:
-            experiment = logger.experiment
-        except Exception:  # a logger whose experiment can't start here gets scalars only, through log_metrics
-            experiment = None
-        if callable(getattr(experiment, "add_image", None)):
-            writers.append(experiment)
-        else:
-            others.append(type(logger).__name__)
-    if others:
-        _say_once(trainer, "no_images", f"ln_lightning monitors: {', '.join(sorted(set(others)))} takes no images, so the "
-                  "depth-profile images are skipped there (the scalars are logged); a TensorBoardLogger shows them.")
-    return writers
-
-
-def metric_safe(name: str) -> str:
-    """A module path as it appears in a metric name (TensorBoard tags allow dots; drop spaces)."""
-    return re.sub(r"\s+", "_", name)
+        self._active, self._paused = self._paused, False

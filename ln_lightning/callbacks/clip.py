@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-from ln_lightning.callbacks._common import MonitorBase, discover_blocks, metric_safe, normalize_name
-from ln_lightning.callbacks._reduce import PackedStats, distributed_world
-from ln_lightning import _lightning_patch
 from ln_lightning._warnings import warn
+from ln_lightning.callbacks._common import MonitorBase, discover_blocks, metric_safe, normalize_name
+from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats, distributed_world
 
 try:  # public since torch 2.5
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -22,7 +21,10 @@ except ImportError:  # pragma: no cover - torch 2.4
     from torch.distributed._tensor.placement_types import _Partial as Partial
 
 GroupSpec = Mapping[str, str] | Callable[[str], "str | None"] | None
-OTHER = "other"
+_OTHER = "other"
+# How a gradient's squared norm crosses ranks: summed (sharded: each rank holds a part), or taken once
+# (replicated: every rank holds the same whole gradient, so MAX of identical values).
+_SHARDED, _REPLICATED = 0, 1
 
 
 def default_group_fn(pl_module: nn.Module, block_paths: list[str]) -> Callable[[str], str]:
@@ -58,21 +60,20 @@ def default_group_fn(pl_module: nn.Module, block_paths: list[str]) -> Callable[[
     return group
 
 
-def _regex_group_fn(mapping: Mapping[str, str]) -> Callable[[str], str | None]:
-    compiled = []
-    for group, pattern in mapping.items():
-        try:
-            compiled.append((group, re.compile(pattern)))
-        except re.error as err:
-            raise ValueError(f"ClipAttributionMonitor: group {group!r} has an invalid regex {pattern!r}: {err}") from None
+class _RegexGroups:
+    """`{group: regex}` as a `param_name -> group` function (first match wins); a class, so that the monitor
+    pickles (ddp_spawn sends callbacks to the workers)."""
 
-    def group(name: str) -> str | None:
-        for g, rx in compiled:
-            if rx.search(name):
-                return g
-        return None
+    def __init__(self, mapping: Mapping[str, str]):
+        self._compiled = []
+        for group, pattern in mapping.items():
+            try:
+                self._compiled.append((group, re.compile(pattern)))
+            except re.error as err:
+                raise ValueError(f"ClipAttributionMonitor: group {group!r} has an invalid regex {pattern!r}: {err}") from None
 
-    return group
+    def __call__(self, name: str) -> str | None:
+        return next((g for g, rx in self._compiled if rx.search(name)), None)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -86,12 +87,11 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 class _Plan:
     """Per optimizer: parameter order, group of each parameter, and how its squared norm crosses ranks."""
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], groups: list[str], group_of: list[int]):
+    def __init__(self, params: list[nn.Parameter], groups: list[str], group_of: list[int]):
         self.params = params
-        self.names = names
         self.groups = groups
         self.group_of = group_of
-        self.meta: list[tuple[int, float] | None] = [None] * len(params)  # (section, weight) once a grad is seen
+        self.meta: list[tuple[int, float] | None] = [None] * len(params)  # (_SHARDED/_REPLICATED, weight) once a grad is seen
         self.cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.partial_warned = False
 
@@ -144,7 +144,7 @@ class ClipAttributionMonitor(MonitorBase):
     override is not visible to it: ``coef``/``clipped`` follow ``trainer.gradient_clip_val``.
     """
 
-    family = "clip"
+    _CATEGORY = "ln-lightning: gradient clipping"
 
     def __init__(
         self,
@@ -159,10 +159,9 @@ class ClipAttributionMonitor(MonitorBase):
         elif isinstance(groups, Mapping):
             if not groups:
                 raise ValueError("ClipAttributionMonitor: groups mapping is empty; pass None for the default groups")
-            self._group_fn_user = _regex_group_fn(groups)
+            self._group_fn_user = _RegexGroups(groups)
         else:
             raise TypeError(f"groups must be None, a mapping name->regex or a function name->group, got {type(groups).__name__}")
-        self.groups_spec = groups
         self.track_window = track_window
         self._group_fn: Callable[[str], str | None] | None = None
         self._plans: dict[int, _Plan] = {}
@@ -172,14 +171,11 @@ class ClipAttributionMonitor(MonitorBase):
         self._window_steps = 0
         self._plain_grads_sharded = False
         self._plain_weight = 1.0
+        self._cap = 1
         self._manual_warned = False
 
-    # -- setup ------------------------------------------------------------------------------
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _lightning_patch.check_same_namespace(trainer, self)
-        if stage != "fit":
-            return
-        self._resolve_every(trainer)
+    # -- lifecycle --------------------------------------------------------------------------
+    def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._plans.clear()
         self._stats = None
         self._row = self._window_steps = 0
@@ -189,15 +185,15 @@ class ClipAttributionMonitor(MonitorBase):
         else:
             self._group_fn = self._group_fn_user
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = type(trainer.strategy).__name__
         if "DeepSpeed" in strategy:
             warn(
                 "ClipAttributionMonitor does not support DeepSpeed: its gradients live in DeepSpeed's partitioned "
                 "buffers, not in param.grad. The monitor is disabled for this run."
             )
-            self._every = 0
-            self.track_window = False
+            self._enabled = False
+            return
         # FSDP1 (Lightning's FSDPStrategy, use_orig_params=True): param.grad holds this rank's shard as a plain
         # tensor, so squared norms are summed over the shard group, once per replica group.
         self._plain_grads_sharded = strategy == "FSDPStrategy" or any(
@@ -208,19 +204,10 @@ class ClipAttributionMonitor(MonitorBase):
             pg = getattr(trainer.strategy.model, "process_group", None)
             shard = torch.distributed.get_world_size(pg) if pg is not None and world > 1 else world
             self._plain_weight = shard / world
-        super().on_fit_start(trainer, pl_module)
 
-    # The clip monitor works in on_before_optimizer_step; the activation-hook schedule is not used.
-    def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._plans.clear()
-            self._stats = None
+    def _stop(self) -> None:
+        self._plans.clear()
+        self._stats = None
 
     # -- groups -----------------------------------------------------------------------------
     def _plan_for(self, pl_module: LightningModule, optimizer) -> _Plan:
@@ -229,23 +216,22 @@ class ClipAttributionMonitor(MonitorBase):
         if plan is not None and len(plan.params) == len(params) and all(a is b for a, b in zip(plan.params, params)):
             return plan
         names_by_id = {id(p): normalize_name(n, pl_module) for n, p in pl_module.named_parameters(remove_duplicate=False)}
-        names, group_names, group_of = [], [], []
+        group_names, group_of = [], []
         index: dict[str, int] = {}
         for i, p in enumerate(params):
             name = names_by_id.get(id(p), f"<unnamed param {i}>")
             g = self._group_fn(name) if id(p) in names_by_id else None
-            g = OTHER if g is None else str(g)
+            g = _OTHER if g is None else str(g)
             if g not in index:
                 index[g] = len(group_names)
                 group_names.append(g)
-            names.append(name)
             group_of.append(index[g])
-        plan = _Plan(params, names, group_names, group_of)
+        plan = _Plan(params, group_names, group_of)
         self._plans[id(optimizer)] = plan
         return plan
 
     def _grad_meta(self, plan: _Plan, i: int, grad: torch.Tensor) -> tuple[int, float]:
-        """(section, weight): section 0 = summed across ranks (sharded), 1 = max across ranks (replicated)."""
+        """(_SHARDED or _REPLICATED, weight): how this gradient's squared norm crosses ranks, and its weight there."""
         meta = plan.meta[i]
         if meta is None:
             world = distributed_world()
@@ -255,11 +241,11 @@ class ClipAttributionMonitor(MonitorBase):
                 for dim, placement in enumerate(grad.placements):
                     if isinstance(placement, Replicate):
                         copies *= mesh.size(dim)
-                meta = (0, 1.0 / copies)
+                meta = (_SHARDED, 1.0 / copies)
             elif self._plain_grads_sharded:
-                meta = (0, self._plain_weight)
+                meta = (_SHARDED, self._plain_weight)
             else:
-                meta = (1, 1.0)  # DDP / single device: every rank holds the whole, identical gradient
+                meta = (_REPLICATED, 1.0)  # DDP / single device: every rank holds the whole, identical gradient
             plan.meta[i] = meta
         return meta
 
@@ -291,7 +277,7 @@ class ClipAttributionMonitor(MonitorBase):
         cached = plan.cache.get(key)
         if cached is None:
             n_groups = len(plan.groups)
-            slots = [plan.group_of[i] + n_groups * plan.meta[i][0] for i in present]
+            slots = [plan.group_of[i] + n_groups * plan.meta[i][0] for i in present]  # into (2, n_groups) scratch rows
             weights = [plan.meta[i][1] for i in present]
             numels = [g.numel() * plan.meta[i][1] for g, i in zip(grads, present)]
             groups = [plan.group_of[i] for i in present]
@@ -310,7 +296,7 @@ class ClipAttributionMonitor(MonitorBase):
         log = self._is_log_step(step)
         clip_val = trainer.gradient_clip_val
         clipping = clip_val is not None and float(clip_val) > 0
-        window = self.track_window and clipping
+        window = self._enabled and self.track_window and clipping
         if not (log or window):
             return
         if not pl_module.automatic_optimization and not self._manual_warned:
@@ -330,35 +316,34 @@ class ClipAttributionMonitor(MonitorBase):
         self._window_steps += 1
 
         grads, mask, present = self._local_grads(plan)
-        win_sum = stats.sums[: cap * n_groups].view(cap, n_groups)
-        win_max = stats.maxes[: cap * n_groups].view(cap, n_groups)
+        sq_sharded, sq_replicated = stats["sq_sharded"][row], stats["sq_replicated"][row]
         if grads:
             slots, weights, numels, groups = self._index_tensors(plan, mask, present, device, grads)
             with torch.no_grad():
                 norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
                 norms = torch.stack([n.to(device) for n in norms]).double()
-                scratch = torch.zeros(2 * n_groups, dtype=torch.float64, device=device)
-                scratch.index_add_(0, slots, norms.square() * weights)
-                win_sum[row].copy_(scratch[:n_groups])
-                win_max[row].copy_(scratch[n_groups:])
+                sq = torch.zeros(2, n_groups, dtype=torch.float64, device=device)  # [_SHARDED | _REPLICATED] x groups
+                sq.view(-1).index_add_(0, slots, norms.square() * weights)
+                sq_sharded.copy_(sq[_SHARDED])
+                sq_replicated.copy_(sq[_REPLICATED])
                 if value_mode:
-                    amax_rows = stats.maxes[cap * n_groups : 2 * cap * n_groups].view(cap, n_groups)
+                    amax_row = stats["amax"][row]
                     amax = torch.stack([n.to(device) for n in torch._foreach_norm(grads, float("inf"), dtype=torch.float32)]).double()
-                    amax_rows[row].fill_(float("-inf"))
-                    amax_rows[row].scatter_reduce_(0, groups, amax, reduce="amax")
+                    amax_row.fill_(float("-inf"))
+                    amax_row.scatter_reduce_(0, groups, amax, reduce="amax")
                     if log:
                         clipped = torch.stack([(g.abs() > clip_val).sum().to(device) for g in grads]).double() * weights
-                        counts = torch.zeros(4 * n_groups, dtype=torch.float64, device=device)
-                        counts.index_add_(0, slots, clipped)
-                        counts.index_add_(0, slots + 2 * n_groups, numels)
-                        c = counts.view(2, 2, n_groups)  # [clipped|numel][sum|max section]
-                        base = cap * n_groups
-                        stats.sums[base : base + 2 * n_groups].copy_(c[:, 0].reshape(-1))
-                        mbase = 2 * cap * n_groups
-                        stats.maxes[mbase : mbase + 2 * n_groups].copy_(c[:, 1].reshape(-1))
+                        counts = torch.zeros(2, 2, n_groups, dtype=torch.float64, device=device)  # [clipped | numel] x section x groups
+                        counts[0].view(-1).index_add_(0, slots, clipped)
+                        counts[1].view(-1).index_add_(0, slots, numels)
+                        for k, what in enumerate(("clipped", "numel")):
+                            stats[f"{what}_sharded"].copy_(counts[k, _SHARDED])
+                            stats[f"{what}_replicated"].copy_(counts[k, _REPLICATED])
         else:
-            win_sum[row].zero_()
-            win_max[row].zero_()
+            sq_sharded.zero_()
+            sq_replicated.zero_()
+            if value_mode:
+                stats["amax"][row].fill_(float("-inf"))  # no gradient: nothing to clip
         if log:
             self._flush_clip(trainer, plan, step, clip_val if clipping else None, value_mode, window)
 
@@ -367,29 +352,31 @@ class ClipAttributionMonitor(MonitorBase):
         cap = max(1, self._every) if window else 1
         key = (n_groups, str(device), value_mode, cap)
         if self._stats is None or self._stats_key != key:
-            self._cap = cap
-            # SUM: window rows (cap x G) + value-mode counts (clipped, numel) x G
-            # MAX: window rows (cap x G) + value-mode amax rows (cap x G) + counts (clipped, numel) x G
-            n_sum = cap * n_groups + (2 * n_groups if value_mode else 0)
-            n_max = cap * n_groups + ((cap * n_groups + 2 * n_groups) if value_mode else 0)
-            self._stats = PackedStats(n_sum, n_max, device)
-            self._stats_key = key
+            stats = PackedStats(device)
+            # Squared gradient norm per step and group. Replicated rows start at 0, not -inf: a group may be
+            # absent on every rank.
+            stats.add_state("sq_sharded", (cap, n_groups), SUM)
+            stats.add_state("sq_replicated", (cap, n_groups), MAX, default=0.0)
+            if value_mode:
+                stats.add_state("amax", (cap, n_groups), MAX)  # largest |g| per step and group
+                for what in ("clipped", "numel"):  # elements with |g| > clip_val, and all elements, at the logging step
+                    stats.add_state(f"{what}_sharded", n_groups, SUM)
+                    stats.add_state(f"{what}_replicated", n_groups, MAX, default=0.0)
+            stats.reset()
+            self._stats, self._stats_key, self._cap = stats, key, cap
             self._row = self._window_steps = 0
-            # MAX rows of a replicated group start at 0, not -inf: a group may be absent on every rank.
-            self._stats.maxes.zero_()
         return self._stats
 
     def _flush_clip(self, trainer: Trainer, plan: _Plan, step: int, clip_val: float | None, value_mode: bool, window: bool) -> None:
-        stats = self._stats
         n_groups = len(plan.groups)
         cap = self._cap
-        sums, maxes = stats.reduce_to_host(across_ranks=trainer.world_size > 1)
+        host = self._stats.reduce_to_host(across_ranks=trainer.world_size > 1)
         n_rows = min(self._window_steps, cap)
         last = (self._row - 1) % cap
         rows = [(last - k) % cap for k in range(n_rows)]  # newest first
 
         def group_sq(r: int) -> list[float]:
-            return [sums[r * n_groups + g] + maxes[r * n_groups + g] for g in range(n_groups)]
+            return [a + b for a, b in zip(host["sq_sharded"][r], host["sq_replicated"][r])]
 
         current = group_sq(last)
         total_sq = sum(current)
@@ -406,13 +393,10 @@ class ClipAttributionMonitor(MonitorBase):
             metrics["clip/coef"] = coef if math.isfinite(total) else float("nan")
             metrics["clip/clipped"] = float(math.isfinite(total) and total > clip_val)
         if value_mode:
-            amax_base = cap * n_groups
-            base_s = cap * n_groups
-            base_m = 2 * cap * n_groups
             any_clipped = False
             for g, name in enumerate(plan.groups):
-                clipped = sums[base_s + g] + maxes[base_m + g]
-                numel = sums[base_s + n_groups + g] + maxes[base_m + n_groups + g]
+                clipped = host["clipped_sharded"][g] + host["clipped_replicated"][g]
+                numel = host["numel_sharded"][g] + host["numel_replicated"][g]
                 metrics[f"clip/value_fraction/{metric_safe(name)}"] = clipped / numel if numel > 0 else 0.0
                 any_clipped |= clipped > 0
             metrics["clip/clipped"] = float(any_clipped)
@@ -422,7 +406,7 @@ class ClipAttributionMonitor(MonitorBase):
             dominant = [0] * n_groups
             for r in rows:
                 if value_mode:
-                    amax = [maxes[amax_base + r * n_groups + g] for g in range(n_groups)]
+                    amax = host["amax"][r]
                     if not all(math.isfinite(a) or a == float("-inf") for a in amax):
                         nonfinite += 1
                         continue
@@ -459,15 +443,12 @@ class ClipAttributionMonitor(MonitorBase):
                 bars=True,
             )
 
-    def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
-        charts: dict[str, list] = {
-            "clip total norm": ["Multiline", [r"^clip/total_norm$"]],
-            "clip share by group": ["Multiline", [r"^clip/share/"]],
-        }
+    def _charts(self, trainer: Trainer) -> dict[str, str]:
+        charts = {"clip total norm": r"^clip/total_norm$", "clip share by group": r"^clip/share/"}
         clip_val = trainer.gradient_clip_val
         if clip_val is not None and float(clip_val) > 0:
-            charts["clip coef, clipped, fired fraction"] = ["Multiline", [r"^clip/(coef|clipped|fired_fraction)$"]]
-            charts["clip dominant group (fired steps)"] = ["Multiline", [r"^clip/dominant/"]]
+            charts["clip coef, clipped, fired fraction"] = r"^clip/(coef|clipped|fired_fraction)$"
+            charts["clip dominant group (fired steps)"] = r"^clip/dominant/"
             if str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)) == "value":
-                charts["value-clipped fraction by group"] = ["Multiline", [r"^clip/value_fraction/"]]
-        return {"ln-lightning: gradient clipping": charts}
+                charts["value-clipped fraction by group"] = r"^clip/value_fraction/"
+        return charts

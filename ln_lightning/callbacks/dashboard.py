@@ -1,22 +1,37 @@
 """The monitors' TensorBoard dashboard: a custom-scalars layout and depth-profile images.
 
 TensorBoard's custom-scalars plugin reads ONE layout per run (the first `custom_scalars__config__`
-event), so the layout of every ln_lightning monitor in `trainer.callbacks` is merged and written
-once per writer by whichever monitor reaches `on_fit_start` first. If you write your own custom
-scalars layout to the same run, merge ours into it with :func:`monitor_layout`.
+event), so the charts of every :class:`DashboardPart` in `trainer.callbacks` (the ln_lightning
+monitors) are merged and written once per writer by whichever monitor reaches `on_fit_start` first.
+If you write your own custom scalars layout to the same run, merge ours into it with :func:`monitor_layout`.
 
 Depth-profile images are drawn with Pillow (which TensorBoard's `add_image` needs anyway), not matplotlib.
+This module knows nothing of the monitors themselves: they use it, never the other way round.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 from typing import Any
 
 import numpy as np
 from lightning.pytorch import Trainer
+from lightning.pytorch.loggers.logger import DummyLogger
 
+from ln_lightning._warnings import info, warn
+from ln_lightning._lightning_patch import find_placements  # the Trainer's LNPlacement, given as a plugin or a callback
+
+_log = logging.getLogger(__name__)
 _WRITTEN_ATTR = "_ln_lightning_layout_written"
+
+
+class DashboardPart:
+    """A callback that adds charts to the custom-scalars layout (every ln_lightning monitor does)."""
+
+    def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
+        """{category: {chart title: ["Multiline", [regex, ...]]}}, as `SummaryWriter.add_custom_scalars` takes."""
+        return {}
 
 
 def monitor_layout(trainer: Trainer) -> dict[str, dict[str, list]]:
@@ -24,37 +39,23 @@ def monitor_layout(trainer: Trainer) -> dict[str, dict[str, list]]:
 
     The format is `SummaryWriter.add_custom_scalars`': `{category: {chart title: ["Multiline", [regex, ...]]}}`.
     """
-    from ln_lightning.callbacks._common import MonitorBase  # noqa: PLC0415 (import cycle)
-
     layout: dict[str, dict[str, list]] = {}
     for cb in trainer.callbacks:
-        if isinstance(cb, MonitorBase):
+        if isinstance(cb, DashboardPart):
             for category, charts in cb.dashboard_charts(trainer).items():
                 layout.setdefault(category, {}).update(charts)
-    if layout:
-        # A post->pre transition in progress (LNPlacement(transition_steps=N)): its blend next to the stream charts.
-        from ln_lightning._lightning_patch import find_placements  # noqa: PLC0415
-
-        if any(getattr(p, "transition_steps", None) for p in find_placements(trainer)):
-            category = next((c for c in layout if "residual stream" in c), "ln-lightning: placement")
-            layout.setdefault(category, {})["placement transition (0 post-norm, 1 pre-norm)"] = ["Multiline", ["ln_placement/transition"]]
+    # A placement transition in progress (LNPlacement(transition_steps=N)): its blend next to the stream charts.
+    if layout and any(getattr(p, "transition_steps", None) for p in find_placements(trainer)):
+        category = next((c for c in layout if "residual stream" in c), "ln-lightning: placement")
+        layout.setdefault(category, {})["placement transition (0 as trained, 1 converted)"] = ["Multiline", ["ln_placement/transition"]]
     return layout
-
-
-def _writers(trainer: Trainer) -> list[Any]:
-    out = []
-    for logger in trainer.loggers:
-        experiment = getattr(logger, "experiment", None)
-        if callable(getattr(experiment, "add_custom_scalars", None)):
-            out.append(experiment)
-    return out
 
 
 def write_layout_once(trainer: Trainer) -> None:
     """Write `monitor_layout(trainer)` to every TensorBoard writer of the trainer, once per writer, on rank 0."""
     if not trainer.is_global_zero:
         return
-    writers = [w for w in _writers(trainer) if not getattr(w, _WRITTEN_ATTR, False)]
+    writers = [w for w in _experiments(trainer, "add_custom_scalars") if not getattr(w, _WRITTEN_ATTR, False)]
     if not writers:
         return
     layout = monitor_layout(trainer)
@@ -63,6 +64,81 @@ def write_layout_once(trainer: Trainer) -> None:
     for writer in writers:
         writer.add_custom_scalars(layout)
         setattr(writer, _WRITTEN_ATTR, True)
+
+
+def _experiments(trainer: Trainer, method: str, others: list[str] | None = None) -> list[Any]:
+    """The loggers' experiments that have `method`; the other loggers' class names go to `others`."""
+    out = []
+    for logger in trainer.loggers:
+        if isinstance(logger, DummyLogger):
+            continue  # fast_dev_run: Lightning turned logging off, and said so
+        try:
+            experiment = logger.experiment
+        except Exception:  # a logger whose experiment can't start here gets scalars only, through log_metrics
+            experiment = None
+        if callable(getattr(experiment, method, None)):
+            out.append(experiment)
+        elif others is not None:
+            others.append(type(logger).__name__)
+    return out
+
+
+class DepthProfileWriter:
+    """Writes one monitor's depth-profile images to every logger that takes images (a TensorBoard SummaryWriter).
+
+    An image must never stop training: without Pillow, or when one fails, it warns and stays off for the
+    run (the scalars are logged regardless).
+    """
+
+    def __init__(self, owner: str):
+        self.owner = owner  # the monitor's class name, for the messages
+        self._plot: DepthProfilePlot | None = None
+
+    def write(self, trainer: Trainer, tag: str, step: int, **plot_kwargs) -> bool:
+        """Render and write the image on rank 0; False when images are off from now on."""
+        if not trainer.is_global_zero:
+            return True
+        others: list[str] = []
+        writers = _experiments(trainer, "add_image", others)
+        if others:
+            _say_once(trainer, "no_images", f"ln_lightning monitors: {', '.join(sorted(set(others)))} takes no images, so the "
+                      "depth-profile images are skipped there (the scalars are logged); a TensorBoardLogger shows them.")
+        if not writers:
+            return True
+        if self._plot is None:
+            try:
+                import PIL  # noqa: F401 (TensorBoard's add_image needs it too)
+            except ImportError as err:
+                warn(f"{self.owner}: depth-profile images need Pillow ({err}); "
+                     "install it or pass log_depth_profile=False. Scalars are still logged.")
+                return False
+            self._plot = DepthProfilePlot()
+        try:
+            png, height, width = self._plot.render_png(**plot_kwargs)
+            for writer in writers:
+                get_file_writer = getattr(writer, "_get_file_writer", None)
+                file_writer = get_file_writer() if callable(get_file_writer) else None
+                if file_writer is not None:
+                    # The PNG is already encoded (palette, fast zlib): hand it over as an image summary, as add_image would.
+                    from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: PLC0415 (only with a SummaryWriter)
+
+                    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
+                    file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+                else:
+                    writer.add_image(tag, self._plot.render(**plot_kwargs), global_step=step, dataformats="HWC")
+        except Exception as err:  # an image must never stop training: turn images off, keep the scalars
+            warn(f"{self.owner}: logging the depth-profile image failed ({type(err).__name__}: {err}); "
+                 "images are off for the rest of this run, scalars are still logged.")
+            return False
+        return True
+
+
+def _say_once(trainer: Trainer, key: str, message: str) -> None:
+    """One info line per Trainer and topic, however many monitors run into it."""
+    said = trainer.__dict__.setdefault("_ln_lightning_said", set())
+    if key not in said:
+        said.add(key)
+        info(_log, message)
 
 
 # Palette indices of the "P" images: white, grid grey, text black, then the series colours.

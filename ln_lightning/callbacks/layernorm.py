@@ -5,48 +5,37 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-from ln_lightning.callbacks._common import MonitorBase, first_tensor, metric_safe, normalize_name
-from ln_lightning.callbacks._reduce import PackedStats
-from ln_lightning import _lightning_patch
 from ln_lightning._warnings import info, warn
+from ln_lightning.callbacks._common import ActivationMonitor, first_tensor, metric_safe, normalize_name
+from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats
+from ln_lightning.norm import FusedAddLayerNorm, FusedAddRMSNorm, explain_norm, recognize_norm
 
 _log = logging.getLogger(__name__)
 
-# SUM columns per norm; the MAX section holds one value per norm: -min(stat). The statistic `stat`
-# is the row variance for a LayerNorm and the row mean square for an RMSNorm.
-_SUM_VAR, _NONFINITE, _ROWS = range(3)
-_COLS = 3
+# Norms whose forward is `(x, residual)` and normalise `x + residual`.
+_FUSED_ADD = (FusedAddLayerNorm, FusedAddRMSNorm)
 # Metric name of the statistic, by norm kind (ln_lightning.norm.NormSpec.kind).
 _STAT_NAME = {"layer": "var", "rms": "ms"}
 
 
-def _fused_add_classes() -> tuple[type, ...]:
-    """Norm classes whose forward is `(x, residual)` and normalise `x + residual` (ln_lightning's own)."""
-    try:
-        from ln_lightning.norm import FusedAddLayerNorm, FusedAddRMSNorm  # noqa: PLC0415 (optional)
-    except ImportError:
-        return ()
-    return (FusedAddLayerNorm, FusedAddRMSNorm)
+@dataclass
+class _Norm:
+    """What the hook and the report need to know of one monitored norm."""
+
+    ndim: int  # normalised trailing dimensions
+    eps: float | None  # None: the input dtype's eps (nn.RMSNorm(eps=None)), filled in by the hook
+    fused_add: bool
+    kind: str  # "layer" or "rms"
 
 
-def _recognize(module: nn.Module):
-    """(NormSpec or None, why not: a sentence for modules named like a norm that are not recognised)."""
-    try:
-        from ln_lightning.norm import explain_norm, recognize_norm  # noqa: PLC0415 (optional package)
-    except ImportError:
-        return None, None
-    spec = recognize_norm(module)
-    named_like_norm = type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
-    return spec, (explain_norm(module) if spec is None and named_like_norm else None)
-
-
-class LayerNormInputMonitor(MonitorBase):
+class LayerNormInputMonitor(ActivationMonitor):
     r"""Log the variance a LayerNorm divides by, and the amplification ``1/sqrt(var + eps)`` it applies.
 
     For every ``nn.LayerNorm`` (which includes ``ln_lightning``'s ``FusedLayerNorm``), every
@@ -90,7 +79,9 @@ class LayerNormInputMonitor(MonitorBase):
         >>> trainer = Trainer(callbacks=[LayerNormInputMonitor(warn_amp_fraction=0.25)])
     """
 
-    family = "ln"
+    _PRE_HOOK = True  # the norm's input is what it divides by
+    _CATEGORY = "ln-lightning: LayerNorm inputs"
+    _PROFILE = ("ln/depth_profile", "LayerNorm inputs by norm", "norm index (module order)")
 
     def __init__(
         self,
@@ -118,32 +109,24 @@ class LayerNormInputMonitor(MonitorBase):
         self.norm_classes = (nn.LayerNorm, *norm_classes)
         self.warn_amp_fraction = warn_amp_fraction
         self.warn_cooldown = warn_cooldown
-        self.norm_paths: list[str] = []
-        self._eps: list[float | None] = []
-        self._kinds: list[str] = []
-        self._handles: list[Any] = []
-        self._stats: PackedStats | None = None
-        self._rows: torch.Tensor | None = None
+        self._norms: list[_Norm] = []
         self._last_warned: dict[str, int] = {}
         self._n_logs = 0
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _lightning_patch.check_same_namespace(trainer, self)
-        if stage != "fit" or self._handles:
-            return
-        self._resolve_every(trainer)
-        self._register(pl_module)
+    @property
+    def norm_paths(self) -> list[str]:
+        """The monitored norms' module paths, relative to the LightningModule (known from setup)."""
+        return self._paths
 
-    def _register(self, pl_module: LightningModule) -> None:
-        fused_add = _fused_add_classes()
+    def _targets(self, pl_module: LightningModule) -> list[tuple[str, nn.Module]]:
         declared = self.norm_classes  # nn.LayerNorm and the classes given: monitored by class
         seen: set[int] = set()
-        targets = []
+        targets, norms = [], []
         unrecognised: list[str] = []
         for name, module in pl_module.named_modules():
             if id(module) in seen:
                 continue
-            if isinstance(module, fused_add + declared):
+            if isinstance(module, _FUSED_ADD + declared):
                 shape = getattr(module, "normalized_shape", None)
                 eps = getattr(module, "eps", None)
                 kind = "rms" if hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm) else "layer"
@@ -154,112 +137,90 @@ class LayerNormInputMonitor(MonitorBase):
                     )
                 ndim = 1 if isinstance(shape, int) else len(tuple(shape))
             else:
-                spec, why_not = _recognize(module)  # by what it computes: LayerNorm- or RMSNorm-like
+                spec = recognize_norm(module)  # by what it computes: LayerNorm- or RMSNorm-like
                 if spec is None:
-                    if why_not:  # named like a norm but not monitored: say so, never silently
-                        unrecognised.append(f"{name} ({why_not})")
+                    if type(module).__name__.endswith(("RMSNorm", "LayerNorm")):  # named like a norm: say so, never silently
+                        unrecognised.append(f"{name} ({explain_norm(module)})")
                     continue
                 kind, ndim, eps = spec.kind, spec.ndim, spec.eps
             seen.add(id(module))
-            eps = None if eps is None else float(eps)
-            targets.append((normalize_name(name, pl_module), module, ndim, eps, isinstance(module, fused_add), kind))
+            targets.append((normalize_name(name, pl_module), module))
+            norms.append(_Norm(ndim, None if eps is None else float(eps), isinstance(module, _FUSED_ADD), kind))
         if unrecognised:
             warn(
                 "LayerNormInputMonitor: not monitoring these modules named like norms, which were not recognised "
                 f"as LayerNorm or RMSNorm: {'; '.join(unrecognised)}. Pass LayerNorm-like classes as norm_classes."
             )
-        if not targets:
-            return
-        self.norm_paths = [t[0] for t in targets]
-        self._eps = [t[3] for t in targets]  # None: the input dtype's eps, filled in by the hook
-        self._kinds = [t[5] for t in targets]
-        for index, (path, module, ndim, _, is_add, kind) in enumerate(targets):
-            hook = self._make_hook(index, ndim, is_add, kind)
-            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        n_rms = self._kinds.count("rms")
-        info(_log, f"LayerNormInputMonitor: monitoring {len(targets)} norms ({n_rms} RMSNorm)")
+        self._norms = norms
+        if targets:
+            n_rms = sum(n.kind == "rms" for n in norms)
+            info(_log, f"LayerNormInputMonitor: monitoring {len(targets)} norms ({n_rms} RMSNorm)")
+        return targets
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self._handles:
-            self._register(pl_module)
-            if not self._handles:
-                warn("LayerNormInputMonitor found no LayerNorm modules and will log nothing.")
-        if self._handles:
-            n = len(self.norm_paths)
-            self._stats = PackedStats(n * _COLS, n, pl_module.device)
-            self._rows = self._stats.sums.view(n, _COLS)
-        super().on_fit_start(trainer, pl_module)
+    def _nothing_found(self) -> str:
+        return "LayerNormInputMonitor found no LayerNorm modules and will log nothing."
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
-            self._stats = self._rows = None
-            self._active = False
+    def _declare(self, stats: PackedStats, n: int) -> None:
+        # Per norm, over rows of all micro-batches and ranks: the statistic's sum, non-finite rows, rows,
+        # and the minimum of the statistic, stored negated so that the MAX reduction serves it.
+        stats.add_state("stat_sum", n, SUM)
+        stats.add_state("nonfinite", n, SUM)
+        stats.add_state("rows", n, SUM)
+        stats.add_state("neg_stat_min", n, MAX)
 
-    def _make_hook(self, index: int, ndim: int, is_add: bool, kind: str = "layer"):
-        dims = tuple(range(-ndim, 0))
-        rms = kind == "rms"
+    def _make_hook(self, index: int, path: str, module: nn.Module):
+        norm = self._norms[index]
+        dims = tuple(range(-norm.ndim, 0))
+        rms = norm.kind == "rms"
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not self._active:  # the whole cost on steps that do not log
                 return
-            rows = self._rows
             x = args[0] if args else kwargs.get("input", first_tensor(kwargs))
-            if not isinstance(x, torch.Tensor) or rows is None or x.numel() == 0:
+            if not isinstance(x, torch.Tensor) or x.numel() == 0:
                 return
-            if self._eps[index] is None:  # nn.RMSNorm(eps=None) uses the input dtype's eps
-                self._eps[index] = torch.finfo(x.dtype).eps
+            if norm.eps is None:  # nn.RMSNorm(eps=None) uses the input dtype's eps
+                norm.eps = torch.finfo(x.dtype).eps
+            s = self._stats
             with torch.no_grad():
                 x = x.detach().float()
-                if is_add:  # FusedAddLayerNorm(input, residual) normalises input + residual
+                if norm.fused_add:  # FusedAddLayerNorm(input, residual) normalises input + residual
                     residual = args[1] if len(args) > 1 else kwargs.get("residual")
                     if isinstance(residual, torch.Tensor):
                         x = x + residual.detach().float()
                 # RMSNorm: the mean square it divides by; LayerNorm: the variance
-                var = x.square().mean(dim=dims) if rms else torch.var(x, dim=dims, correction=0)
-                nonfinite = var.numel() - torch.isfinite(var).sum()
-                row = rows[index]
-                row[:2] += torch.stack([var.sum(dtype=torch.float64), nonfinite.to(torch.float64)])
-                row[_ROWS] += var.numel()
-                neg_min = self._stats.maxes[index : index + 1]
-                torch.maximum(neg_min, (-var.amin()).to(neg_min), out=neg_min)
+                stat = x.square().mean(dim=dims) if rms else torch.var(x, dim=dims, correction=0)
+                s["stat_sum"][index] += stat.sum(dtype=torch.float64)
+                s["nonfinite"][index] += stat.numel() - torch.isfinite(stat).sum()
+                s["rows"][index] += stat.numel()
+                neg_min = s["neg_stat_min"][index : index + 1]
+                torch.maximum(neg_min, (-stat.amin()).to(neg_min), out=neg_min)
 
         return hook
 
-    def _begin_window(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._stats is not None:
-            self._stats.reset()
-
-    def _flush(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        if self._stats is None:
-            return
-        sums, maxes = self._stats.reduce_to_host(across_ranks=trainer.world_size > 1)
+    def _report(self, stats: dict[str, Any], step: int):
         metrics: dict[str, float] = {}
         var_min_list, var_mean_list, amp_list = [], [], []
         nonfinite = 0.0
         over: list[str] = []
-        for i, path in enumerate(self.norm_paths):
-            sum_var, n_nonfinite, n_rows = sums[i * _COLS : (i + 1) * _COLS]
+        for i, (path, norm) in enumerate(zip(self._paths, self._norms)):
+            n_rows = stats["rows"][i]
             if n_rows == 0:  # norm not called in this step
                 var_min_list.append(float("nan"))
                 var_mean_list.append(float("nan"))
                 amp_list.append(float("nan"))
                 continue
-            eps = self._eps[i]
-            if eps is None:  # never called with a tensor (cannot happen with n_rows > 0)
-                eps = float("nan")
-            var_mean = sum_var / n_rows
-            var_min = -maxes[i]
+            eps = norm.eps if norm.eps is not None else float("nan")  # None: never called with a tensor (not with n_rows > 0)
+            var_mean = stats["stat_sum"][i] / n_rows
+            var_min = -stats["neg_stat_min"][i]
             # amp is decreasing in var, so the maximum over rows is attained at the minimum variance.
             amp_max = 1.0 / math.sqrt(var_min + eps) if math.isfinite(var_min) and var_min + eps > 0 else float("nan")
             name = metric_safe(path)
-            stat = _STAT_NAME[self._kinds[i]]
+            stat = _STAT_NAME[norm.kind]
             metrics[f"ln/{stat}_mean/{name}"] = var_mean
             metrics[f"ln/{stat}_min/{name}"] = var_min
             metrics[f"ln/amp_max/{name}"] = amp_max
-            nonfinite += n_nonfinite
+            nonfinite += stats["nonfinite"][i]
             var_min_list.append(var_min)
             var_mean_list.append(var_mean)
             amp_list.append(amp_max)
@@ -277,28 +238,14 @@ class LayerNormInputMonitor(MonitorBase):
                 f"(and gradient) close to its 1/sqrt(eps) bound: {'; '.join(over)}. "
                 "Such a norm is normalising almost-constant rows; consider a larger eps or check the layer feeding it."
             )
-        self._log(trainer, metrics, step)
-        self._depth_profile(
-            trainer,
-            "ln/depth_profile",
-            step,
-            title=f"LayerNorm inputs by norm (step {step})",
-            panels=[
-                ("input variance (RMSNorm: mean square)", {"var_min": var_min_list, "var_mean": var_mean_list}, True),
-                ("amp_max = 1/sqrt(var_min+eps)", {"amp_max": amp_list}, True),
-            ],
-            xlabels=[str(i) for i in range(len(self.norm_paths))],
-            xlabel="norm index (module order)",
-        )
+        panels = [
+            ("input variance (RMSNorm: mean square)", {"var_min": var_min_list, "var_mean": var_mean_list}, True),
+            ("amp_max = 1/sqrt(var_min+eps)", {"amp_max": amp_list}, True),
+        ]
+        return metrics, panels
 
-    def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
-        return {
-            "ln-lightning: LayerNorm inputs": {
-                "LN var_min by norm": ["Multiline", [r"^ln/var_min/"]],
-                "LN var_mean by norm": ["Multiline", [r"^ln/var_mean/"]],
-                "RMSNorm ms_min by norm": ["Multiline", [r"^ln/ms_min/"]],
-                "RMSNorm ms_mean by norm": ["Multiline", [r"^ln/ms_mean/"]],
-                "LN amp_max": ["Multiline", [r"^ln/amp_max/"]],
-                "LN non-finite rows": ["Multiline", [r"^ln/nonfinite_count$"]],
-            }
-        }
+    def _charts(self, trainer: Trainer) -> dict[str, str]:
+        # "LN var_min by norm", "LN var_mean by norm", "RMSNorm ms_min by norm", "RMSNorm ms_mean by norm"
+        charts = {f"{who} {stat}_{agg} by norm": f"^ln/{stat}_{agg}/" for who, stat in (("LN", "var"), ("RMSNorm", "ms"))
+                  for agg in ("min", "mean")}
+        return {**charts, "LN amp_max": r"^ln/amp_max/", "LN non-finite rows": r"^ln/nonfinite_count$"}

@@ -10,19 +10,19 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-from ln_lightning.callbacks._common import MonitorBase, discover_blocks, first_tensor, metric_safe, resolve_paths
-from ln_lightning.callbacks._reduce import PackedStats
-from ln_lightning import _lightning_patch
 from ln_lightning._warnings import info, warn
+from ln_lightning.callbacks._common import ActivationMonitor, discover_blocks, first_tensor, metric_safe, resolve_paths
+from ln_lightning.callbacks._reduce import SUM, PackedStats
 
 _log = logging.getLogger(__name__)
 
-# Columns of the per-block SUM rows.
-_SS_OUT, _SS_DELTA, _SS_IN, _NONFINITE, _N_OUT, _N_IN, _N_DELTA = range(7)
-_COLS = 7
+# Per block, summed over elements, micro-batches and ranks: squares of the output, of the input and of
+# their difference, non-finite output elements, and the element counts to divide by (n_in also counts
+# the difference: both exist only where the output has the input's shape).
+_STATES = ("sq_out", "sq_in", "sq_delta", "nonfinite", "n_out", "n_in")
 
 
-class StreamNormMonitor(MonitorBase):
+class StreamNormMonitor(ActivationMonitor):
     r"""Log the residual stream's root-mean-square and each block's relative update, per block.
 
     For every residual block (found by :func:`ln_lightning.placement.inspect_model`, or the module
@@ -54,7 +54,8 @@ class StreamNormMonitor(MonitorBase):
     one line per block; the images tab shows ``stream/depth_profile``.
     """
 
-    family = "stream"
+    _CATEGORY = "ln-lightning: residual stream"
+    _PROFILE = ("stream/depth_profile", "residual stream by block", "block index")
 
     def __init__(
         self,
@@ -66,142 +67,91 @@ class StreamNormMonitor(MonitorBase):
         if isinstance(blocks, str):
             raise TypeError(f"blocks must be a list of module paths, not a string ({blocks!r}); use blocks=[{blocks!r}]")
         self.blocks = list(blocks) if blocks is not None else None
-        self.block_paths: list[str] = []
-        self._handles: list[Any] = []
-        self._stats: PackedStats | None = None
-        self._rows: torch.Tensor | None = None
+        self._discovery = "no model"
         self._shape_warned: set[str] = set()
 
-    # -- hooks ------------------------------------------------------------------------------
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _lightning_patch.check_same_namespace(trainer, self)
-        if stage != "fit" or self._handles:
-            return
-        self._resolve_every(trainer)
-        self._register(pl_module)
+    @property
+    def block_paths(self) -> list[str]:
+        """The monitored blocks' module paths, relative to the LightningModule (known from setup)."""
+        return self._paths
 
-    def _register(self, pl_module: LightningModule) -> None:
+    def _targets(self, pl_module: LightningModule) -> list[tuple[str, nn.Module]]:
         if self.blocks is not None:
             targets = resolve_paths(pl_module, self.blocks, type(self).__name__)
-            source = "user"
+            self._discovery = "user"
         else:
-            paths, source = discover_blocks(pl_module)
+            paths, self._discovery = discover_blocks(pl_module)
             targets = resolve_paths(pl_module, paths, type(self).__name__) if paths else []
-        self._discovery = source
-        if not targets:
-            return
-        self.block_paths = [p for p, _ in targets]
-        for index, (path, module) in enumerate(targets):
-            # prepend: see the block's own output, before hooks that post-process it (the final norm
-            # convert() adds to a stack is applied by a hook on its last block).
-            self._handles.append(module.register_forward_hook(self._make_hook(index, path), with_kwargs=True, prepend=True))
-        info(_log, f"StreamNormMonitor: monitoring {len(targets)} blocks ({source})")
+        if targets:
+            info(_log, f"StreamNormMonitor: monitoring {len(targets)} blocks ({self._discovery})")
+        return targets
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self._handles:
-            # The model may only exist after configure_model; hooks added now miss a torch.compile done there.
-            self._register(pl_module)
-            if not self._handles:
-                warn(
-                    f"StreamNormMonitor found no residual blocks to monitor ({getattr(self, '_discovery', 'no model')}) and will log nothing. "
-                    "Pass the block module paths: StreamNormMonitor(blocks=['model.blocks.0', ...])."
-                )
-        if self._handles:
-            self._stats = PackedStats(len(self.block_paths) * _COLS, 0, pl_module.device)
-            self._rows = self._stats.sums.view(len(self.block_paths), _COLS)
-        super().on_fit_start(trainer, pl_module)
+    def _nothing_found(self) -> str:
+        return (f"StreamNormMonitor found no residual blocks to monitor ({self._discovery}) and will log nothing. "
+                "Pass the block module paths: StreamNormMonitor(blocks=['model.blocks.0', ...]).")
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
-            self._stats = self._rows = None
-            self._active = False
+    def _declare(self, stats: PackedStats, n: int) -> None:
+        for name in _STATES:
+            stats.add_state(name, n, SUM)
 
-    def _make_hook(self, index: int, path: str):
+    def _make_hook(self, index: int, path: str, module: nn.Module):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self._active:  # the whole cost on steps that do not log
                 return
-            rows = self._rows
             out = first_tensor(output)
-            if out is None or rows is None:
+            if out is None:
                 return
             inp = first_tensor(args) if args else None
             if inp is None and kwargs:
                 inp = first_tensor(kwargs)
+            s = self._stats
             with torch.no_grad():
                 y = out.detach().float()
-                ss_out = torch.linalg.vector_norm(y).square()
-                nonfinite = y.numel() - torch.isfinite(y).sum()
-                row = rows[index]
-                has_delta = inp is not None and inp.shape == out.shape
-                if has_delta:
+                s["sq_out"][index] += torch.linalg.vector_norm(y).square()
+                s["nonfinite"][index] += y.numel() - torch.isfinite(y).sum()
+                s["n_out"][index] += y.numel()
+                if inp is not None and inp.shape == out.shape:
                     x = inp.detach().float()
-                    ss_in = torch.linalg.vector_norm(x).square()
-                    ss_delta = torch.linalg.vector_norm(y - x).square()
-                    row[:4] += torch.stack([ss_out, ss_delta, ss_in, nonfinite.to(ss_out.dtype)]).to(row)
-                    row[_N_IN] += x.numel()
-                    row[_N_DELTA] += x.numel()
-                else:
-                    row[_SS_OUT] += ss_out.to(row)
-                    row[_NONFINITE] += nonfinite.to(row)
-                    if path not in self._shape_warned:
-                        self._shape_warned.add(path)
-                        warn(
-                            f"StreamNormMonitor: block {path!r} output shape {tuple(out.shape)} differs from its input "
-                            f"({None if inp is None else tuple(inp.shape)}); logging its rms but no update ratio."
-                        )
-                row[_N_OUT] += y.numel()
+                    s["sq_in"][index] += torch.linalg.vector_norm(x).square()
+                    s["sq_delta"][index] += torch.linalg.vector_norm(y - x).square()
+                    s["n_in"][index] += x.numel()
+                elif path not in self._shape_warned:
+                    self._shape_warned.add(path)
+                    warn(
+                        f"StreamNormMonitor: block {path!r} output shape {tuple(out.shape)} differs from its input "
+                        f"({None if inp is None else tuple(inp.shape)}); logging its rms but no update ratio."
+                    )
 
         return hook
 
-    # -- schedule -----------------------------------------------------------------------------
-    def _begin_window(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._stats is not None:
-            self._stats.reset()
-
-    def _flush(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        if self._stats is None:
-            return
-        sums, _ = self._stats.reduce_to_host(across_ranks=trainer.world_size > 1)
+    def _report(self, stats: dict[str, Any], step: int):
         metrics: dict[str, float] = {}
         rms_list, ratio_list = [], []
         nonfinite = 0.0
-        for i, path in enumerate(self.block_paths):
-            r = sums[i * _COLS : (i + 1) * _COLS]
-            if r[_N_OUT] == 0:  # block not called in this step
+        for i, path in enumerate(self._paths):
+            r = {name: stats[name][i] for name in _STATES}
+            if r["n_out"] == 0:  # block not called in this step
                 rms_list.append(float("nan"))
                 ratio_list.append(float("nan"))
                 continue
-            rms = math.sqrt(r[_SS_OUT] / r[_N_OUT]) if math.isfinite(r[_SS_OUT]) else float("nan")
+            rms = _rms(r["sq_out"], r["n_out"])
             metrics[f"stream/rms/{metric_safe(path)}"] = rms
             ratio = float("nan")
-            if r[_N_IN] > 0:
-                rms_in = math.sqrt(r[_SS_IN] / r[_N_IN]) if math.isfinite(r[_SS_IN]) else float("nan")
-                rms_delta = math.sqrt(r[_SS_DELTA] / r[_N_DELTA]) if math.isfinite(r[_SS_DELTA]) else float("nan")
-                ratio = rms_delta / rms_in if rms_in > 0 else float("nan")
+            if r["n_in"] > 0:
+                rms_in = _rms(r["sq_in"], r["n_in"])
+                ratio = _rms(r["sq_delta"], r["n_in"]) / rms_in if rms_in > 0 else float("nan")
                 metrics[f"stream/update_ratio/{metric_safe(path)}"] = ratio
-            nonfinite += r[_NONFINITE] if math.isfinite(r[_NONFINITE]) else 0.0
+            nonfinite += r["nonfinite"] if math.isfinite(r["nonfinite"]) else 0.0
             rms_list.append(rms)
             ratio_list.append(ratio)
         metrics["stream/nonfinite_count"] = nonfinite
-        self._log(trainer, metrics, step)
-        self._depth_profile(
-            trainer,
-            "stream/depth_profile",
-            step,
-            title=f"residual stream by block (step {step})",
-            panels=[("rms(block output)", {"rms": rms_list}, True), ("rms(out - in) / rms(in)", {"update ratio": ratio_list}, True)],
-            xlabels=[str(i) for i in range(len(self.block_paths))],
-            xlabel="block index",
-        )
+        panels = [("rms(block output)", {"rms": rms_list}, True), ("rms(out - in) / rms(in)", {"update ratio": ratio_list}, True)]
+        return metrics, panels
 
-    def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
-        return {
-            "ln-lightning: residual stream": {
-                "stream rms by block": ["Multiline", [r"^stream/rms/"]],
-                "update ratio by block": ["Multiline", [r"^stream/update_ratio/"]],
-                "stream non-finite elements": ["Multiline", [r"^stream/nonfinite_count$"]],
-            }
-        }
+    def _charts(self, trainer: Trainer) -> dict[str, str]:
+        return {"stream rms by block": r"^stream/rms/", "update ratio by block": r"^stream/update_ratio/",
+                "stream non-finite elements": r"^stream/nonfinite_count$"}
+
+
+def _rms(sum_sq: float, n: float) -> float:
+    return math.sqrt(sum_sq / n) if math.isfinite(sum_sq) else float("nan")
