@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _helpers_plugin as h  # noqa: E402
-from ln_lightning import _lightning_patch  # noqa: E402
-from ln_lightning.demo.lightning import CharLM  # noqa: E402
-from ln_lightning.plugin import (  # noqa: E402
+from ln_lightning import _lightning_patch
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.plugin import (
     CHECKPOINT_KEY,
     MARKER,
     REPORT_FILENAME,
@@ -31,13 +27,9 @@ from ln_lightning.plugin import (  # noqa: E402
     UnsupportedStrategyError,
     load_converted,
 )
+from ln_lightning.testing import plugin as h
 
 TOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _standin():
-    h.install_standin_if_needed()
 
 
 def _trainer(tmp_path, plugin=None, max_steps=2, **kw):
@@ -143,7 +135,6 @@ def test_report_logged_once_as_console_and_json_and_checkpoint_records_config(tm
 @pytest.fixture(scope="module")
 def trained_ckpt(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trained")
-    h.install_standin_if_needed()
     ckpt = ModelCheckpoint(dirpath=str(tmp), save_last=True)
     trainer = _trainer(tmp, callbacks=[ckpt], max_steps=3, logger=False)
     model = _tiny_lm()
@@ -276,7 +267,8 @@ class _NoLogProbeLM(h.ProbeLM):
         return self._loss(batch)
 
 
-@pytest.mark.parametrize("style", ["accumulate", "manual", "compile_module", "compile_inner", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("style", ["accumulate", "manual", pytest.param("compile_module", marks=pytest.mark.slow),
+                                   pytest.param("compile_inner", marks=pytest.mark.slow), "bf16-mixed", "bf16-true"])
 def test_training_styles(tmp_path, style):
     placement = LNPlacement("pre", fused=False)
     kw = {}
@@ -328,8 +320,6 @@ class _AlreadyPreLM(LightningModule):
 
 
 def test_model_that_needs_no_change_trains_and_the_report_says_so(tmp_path, caplog):
-    if not h.real_convert_available():
-        pytest.skip("needs the real convert()")
     placement = LNPlacement("pre", fused=False)
     model = _AlreadyPreLM()
     before = h.full_state(model)

@@ -1,6 +1,6 @@
 """Shared pieces of the LNPlacement tests: a tiny model, data, an independent pre-norm reference, recorders.
 
-Also run as a script (`python tests/_helpers_plugin.py MODE OUT_DIR`) for the strategies whose launcher
+Also run as a script (`python -m ln_lightning.testing.plugin MODE OUT_DIR`) for the strategies whose launcher
 re-executes the command line (ddp, ModelParallelStrategy) or that need separately started processes
 (two simulated nodes): see `run_scenario`.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -19,70 +18,13 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _helpers_dist import DestroyProcessGroupAtExit  # noqa: E402
-from ln_lightning.demo.lightning import CharLM  # noqa: E402
-from ln_lightning.demo.models import PostNormBlock, PostNormTransformerLM  # noqa: E402
-from ln_lightning.plugin import MARKER, LNPlacement  # noqa: E402
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.demo.models import PostNormTransformerLM
+from ln_lightning.plugin import MARKER, LNPlacement
+from ln_lightning.testing.dist import DestroyProcessGroupAtExit
 
 TINY = dict(vocab_size=128, d_model=32, n_layers=2, n_heads=2, block_size=16, lr=3e-3, warmup_steps=3)
 SEQ = 16
-
-
-# ---------------------------------------------------------------------------------------------- stand-in
-def real_convert_available() -> bool:
-    try:
-        from ln_lightning.placement import convert  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-class _StandinPreBlock(PostNormBlock):
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class _StandinPreLM(PostNormTransformerLM):
-    def forward(self, idx):
-        t = idx.shape[1]
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
-def standin_convert(model, placement="pre", *, final_norm=True, branch_scale=None, strict=False, example_input=None):
-    """Mimics convert() on the demo model only (until the real engine lands): pre-norm blocks + a final norm."""
-    from ln_lightning.placement.report import BlockChange, ConversionReport
-
-    report = ConversionReport(model=type(model).__name__, placement=placement,
-                              options=dict(final_norm=final_norm, branch_scale=branch_scale))
-    for path, mod in list(model.named_modules()):
-        if type(mod) is PostNormTransformerLM:
-            for i, b in enumerate(mod.blocks):
-                b.__class__ = _StandinPreBlock
-                report.blocks.append(BlockChange(f"{path}.blocks.{i}", "PostNormBlock", "converted", "post", "pre"))
-            if final_norm:
-                mod.ln_f = nn.LayerNorm(mod.head.in_features).to(mod.head.weight.device)
-                report.added.append(f"{path}.ln_f")
-            else:
-                mod.ln_f = nn.Identity()
-            mod.__class__ = _StandinPreLM
-    report.preserves_function = False
-    return report
-
-
-def install_standin_if_needed() -> bool:
-    """Use the stand-in convert when the real one is not importable yet. Returns True if installed."""
-    if real_convert_available():
-        return False
-    import ln_lightning.plugin as plugin
-
-    plugin._placement_convert = standin_convert
-    return True
 
 
 # ---------------------------------------------------------------------------------------------- data / model
@@ -312,7 +254,6 @@ def run_scenario(strategy_kw, out_dir: str, model_cls=ProbeLM, fused: bool = Fal
 
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
-    install_standin_if_needed()
     torch.set_num_threads(1)
     if mode == "ddp":
         kw = dict(accelerator="cpu", devices=2, strategy="ddp")
