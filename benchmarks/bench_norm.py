@@ -96,16 +96,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _without_cpu_kernels(step: Callable[[], None], kernels=_cpu_kernels) -> Callable[[], None]:
+def _without_cpu_kernels(step: Callable[[], None], kernels=_cpu_kernels.KERNELS) -> Callable[[], None]:
     """The step (forward and backward) with the compiled CPU kernels off: aten's inside our op."""
 
     def run() -> None:
-        saved = kernels._state
-        kernels._state = "disabled"
-        try:
+        with kernels.disabled():
             step()
-        finally:
-            kernels._state = saved
 
     return run
 
@@ -178,7 +174,7 @@ class Case:
             if self.compiled_rms is not None and self.compile_error_rms is None:
                 fns["compiled add+LlamaRMSNorm"] = self.compiled_rms
             fns["fused add+RMSNorm"] = self._fused_add_rms
-            if self.device.type == "cpu" and _cpu_rms_kernels.module() is not None:
+            if self.device.type == "cpu" and _cpu_rms_kernels.KERNELS.module() is not None:
                 fns["fused add+RMSNorm[aten]"] = self._fused_add_rms
 
             def make(fn):
@@ -193,14 +189,14 @@ class Case:
                 return step
             steps = {name: make(fn) for name, fn in fns.items()}
             if "fused add+RMSNorm[aten]" in steps:
-                steps["fused add+RMSNorm[aten]"] = _without_cpu_kernels(steps["fused add+RMSNorm[aten]"], _cpu_rms_kernels)
+                steps["fused add+RMSNorm[aten]"] = _without_cpu_kernels(steps["fused add+RMSNorm[aten]"], _cpu_rms_kernels.KERNELS)
             return steps
         else:
             fns = {"eager add+LN": self._eager_add_ln}
             if self.compiled is not None and self.compile_error is None:
                 fns["compiled add+LN"] = self.compiled
             fns["fused add+LN"] = self._fused_add_ln
-            if self.device.type == "cpu" and self.dtype in _cpu_kernels.DTYPES and _cpu_kernels.module() is not None:
+            if self.device.type == "cpu" and self.dtype in _cpu_kernels.DTYPES and _cpu_kernels.KERNELS.module() is not None:
                 fns["fused add+LN[aten]"] = self._fused_add_ln
 
             def make(fn):

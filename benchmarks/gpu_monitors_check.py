@@ -26,19 +26,19 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_monitors
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from _helpers_monitors import (  # noqa: E402
+from ln_lightning.testing.monitors import (  # noqa: E402
     FixedBatchLM,
-    _trainer,
     all_monitors,
     compare,
     concat_batches,
     make_data,
     make_model,
+    make_trainer,
     read_scalars,
     reference_forward_stats,
     reference_grad_stats,
@@ -62,7 +62,7 @@ def check_fsdp1(out: Path) -> dict:
     devices = min(2, torch.cuda.device_count())
     x, y = make_data(world=devices, accum=1)
     strategy = FSDPStrategy(auto_wrap_policy={PostNormBlock}, sharding_strategy="FULL_SHARD")
-    trainer = _trainer(str(out), "fsdp1", accelerator="cuda", devices=devices, strategy=strategy, max_steps=4,
+    trainer = make_trainer(str(out), "fsdp1", accelerator="cuda", devices=devices, strategy=strategy, max_steps=4,
                        callbacks=all_monitors())
     trainer.fit(FSDP1FixedLM(x, y))
     if not trainer.is_global_zero:
@@ -100,7 +100,7 @@ class _SyncDebugOff(L.Callback):
 def check_cuda_syncs(out: Path) -> dict:
     x, y = make_data(world=1, accum=1)
     every, steps = 5, 10
-    trainer = _trainer(str(out), "syncs", accelerator="cuda", devices=1, max_steps=steps, gradient_clip_val=0.05,
+    trainer = make_trainer(str(out), "syncs", accelerator="cuda", devices=1, max_steps=steps, gradient_clip_val=0.05,
                        callbacks=[_StepTracker(), *all_monitors(every=every), _SyncDebugOff()])
     ours: list[tuple[int, str]] = []
     total = [0]

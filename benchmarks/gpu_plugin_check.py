@@ -3,7 +3,7 @@
     python benchmarks/gpu_plugin_check.py [OUT_DIR]          # ~1-3 minutes on one GPU
     python benchmarks/gpu_plugin_check.py --cpu-dry-run      # this script's logic on CPU (no FSDP)
 
-For each case it runs the same scenario as the CPU strategy tests (tests/_helpers_plugin.run_scenario):
+For each case it runs the same scenario as the CPU strategy tests (ln_lightning.testing.plugin.run_scenario):
 fit 3 steps -> validate after fit -> fit(ckpt_path) on a fresh model -> validate/test/predict(ckpt_path) on
 fresh models, and checks against the pre-norm function written out by hand (float64, on CPU):
 
@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 import torch  # noqa: E402
 
@@ -40,7 +40,7 @@ def _check(results: list, name: str, ok: bool, detail=""):
 
 
 def _case(results: list, label: str, strategy_kw, out: str, fused: bool, tol: float, **trainer_kw):
-    import _helpers_plugin as h
+    from ln_lightning.testing import plugin as h
 
     t0 = time.perf_counter()
     try:

@@ -3,7 +3,7 @@
 
 Run from the repository root:  timeout 290 python benchmarks/gpu_rms_check.py [--out results.json]
 
-1. Triton RMSNorm kernels against float64 (tests/_helpers_norm_rms.py's criterion: error <= 2 x
+1. Triton RMSNorm kernels against float64 (ln_lightning/testing/norm_rms.py's criterion: error <= 2 x
    the eager HF formula's own error + slack) at non-power-of-two, blocked (> 8192) and 65536-wide
    rows, every cast order, the 1 + w weight, fp32/fp16/bf16; deterministic weight gradient; row
    independence.
@@ -34,11 +34,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-from _helpers_norm import Case  # noqa: E402
-from _helpers_norm_rms import RMSCase, assert_rows_independent, errors  # noqa: E402
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
 from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, _backend, fused_add_rms_norm  # noqa: E402
+from ln_lightning.testing.norm import Case  # noqa: E402
+from ln_lightning.testing.norm_rms import RMSCase, assert_rows_independent, errors  # noqa: E402
 
 RESULTS: dict = {"checks": {}, "figures": {}, "errors": []}
 T0 = time.time()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -19,13 +18,11 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _helpers_plugin as h  # noqa: E402
-from _helpers_dist import DestroyProcessGroupAtExit  # noqa: E402
-from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor  # noqa: E402
-from ln_lightning.demo.lightning import CharLM  # noqa: E402
-from ln_lightning.plugin import LNPlacement  # noqa: E402
+from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.plugin import LNPlacement
+from ln_lightning.testing import plugin as h
+from ln_lightning.testing.dist import DestroyProcessGroupAtExit
 
 STEPS_PER_EPOCH = 8  # 32 sequences, batch 4
 EPOCHS = 3

@@ -5,7 +5,7 @@ for the ddp_spawn run (Lightning's launcher needs a real script).
 The model: HF ``LlamaModel`` (``LlamaRMSNorm``: eps in ``variance_epsilon``), then an
 ``nn.RMSNorm(eps=None)`` (eps = the input dtype's machine epsilon) and an ``nn.LayerNorm`` (which
 must keep its ``var_*`` names). Data and SGD with lr 0 are fixed, so every logging step logs the
-same values, as in _helpers_monitors.py.
+same values, as in ln_lightning/testing/monitors.py.
 
 Script use:
     python tests/_helpers_monitors_rms.py ddp OUTDIR
@@ -24,8 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _helpers_monitors import _MicroBatchIndex, _trainer, make_data  # noqa: E402
+from ln_lightning.testing.monitors import MicroBatchIndex, make_data, make_trainer
 
 VOCAB, D, LAYERS = 16, 16, 2
 
@@ -74,7 +73,7 @@ class FixedBatchRMSLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
     def train_dataloader(self):
-        return DataLoader(_MicroBatchIndex(self.accum), batch_size=None, shuffle=False)
+        return DataLoader(MicroBatchIndex(self.accum), batch_size=None, shuffle=False)
 
 
 def reference_norm_stats(model: RMSLM, ids: torch.Tensor) -> dict[str, float]:
@@ -110,7 +109,7 @@ def run_ddp(out: str) -> None:
     from ln_lightning.callbacks import LayerNormInputMonitor
 
     x, y = make_data(world=2, accum=1)
-    _trainer(out, "ddp_rms", accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4,
+    make_trainer(out, "ddp_rms", accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4,
              callbacks=[LayerNormInputMonitor(every_n_steps=2)]).fit(FixedBatchRMSLM(x, y))
 
 

@@ -21,7 +21,7 @@ VOCAB, D, LAYERS, HEADS, T = 32, 16, 2, 2, 8
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
 
-def _destroy_process_group() -> None:  # see tests/_helpers_dist.py: a gloo shutdown crash in spawned workers
+def _destroy_process_group() -> None:  # see ln_lightning/testing/dist.py: a gloo shutdown crash in spawned workers
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         try:
             torch.distributed.destroy_process_group()

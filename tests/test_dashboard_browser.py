@@ -139,11 +139,10 @@ def open_custom_scalars(url: str, screenshot: str | Path, charts=EXPECTED_CHARTS
 @pytest.mark.slow
 def test_custom_scalars_dashboard_renders_the_three_monitors(tmp_path):
     _browser_or_skip()
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _helpers_monitors import FixedBatchLM, _trainer, all_monitors, make_data
+    from ln_lightning.testing.monitors import FixedBatchLM, all_monitors, make_data, make_trainer
 
     x, y = make_data(world=1, accum=2)
-    trainer = _trainer(str(tmp_path / "logs"), "browser", accelerator="cpu", devices=1, max_steps=6,
+    trainer = make_trainer(str(tmp_path / "logs"), "browser", accelerator="cpu", devices=1, max_steps=6,
                        gradient_clip_val=0.05, callbacks=all_monitors(every=2))
     trainer.fit(FixedBatchLM(x, y))
 

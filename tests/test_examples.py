@@ -43,6 +43,7 @@ def _check_outputs(out: Path, pngs: list[str], min_events: int = 1) -> str:
     return md
 
 
+@pytest.mark.slow
 def test_depth_scaling_quick(tmp_path):
     _example("depth_scaling", tmp_path)
     md = _check_outputs(tmp_path, ["rms_by_block.png", "final_rms_vs_depth.png", "update_ratio_vs_depth.png"], min_events=4)
@@ -60,6 +61,7 @@ def test_depth_scaling_quick(tmp_path):
     assert "| claim | measured | verdict |" in md
 
 
+@pytest.mark.slow
 def test_layernorm_jacobian_quick(tmp_path):
     _example("layernorm_jacobian", tmp_path)
     _check_outputs(tmp_path, ["jacobian_norm.png"])
@@ -73,6 +75,7 @@ def test_layernorm_jacobian_quick(tmp_path):
     assert mon["warnings"] and "blocks.0.ln" in mon["warnings"][0] and "inp " not in mon["warnings"][0]
 
 
+@pytest.mark.slow
 def test_warmup_study_quick(tmp_path):
     _example("warmup_study", tmp_path)
     md = _check_outputs(tmp_path, ["loss_curves.png", "grad_norm.png"], min_events=4)
@@ -119,6 +122,7 @@ def test_simulate_two_nodes_quick(tmp_path):
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_migrate_trained_quick(tmp_path):
     _example("migrate_trained", tmp_path, timeout=600)
     _check_outputs(tmp_path, ["loss.png"], min_events=5)

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_rms_check_smoke(tmp_path):
     out = tmp_path / "smoke.json"
     proc = subprocess.run(

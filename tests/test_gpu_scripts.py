@@ -3,12 +3,14 @@ so a typo or a renamed helper there would waste that time. Their CPU dry runs ru
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +24,7 @@ def _run(args, **env):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_gpu_norm_check_smoke(tmp_path):
     # Same flow as on the GPU (compile check, Triton numerics, determinism, row independence) on
     # CPU under the Triton interpreter with tiny shapes; the timing part needs CUDA and is skipped.
@@ -33,6 +36,7 @@ def test_gpu_norm_check_smoke(tmp_path):
     assert not record["errors"], record["errors"]
 
 
+@pytest.mark.slow
 def test_gpu_plugin_check_cpu_dry_run(tmp_path):
     stdout = _run(["benchmarks/gpu_plugin_check.py", "--cpu-dry-run", str(tmp_path)])
     summary = json.loads(stdout[stdout.rindex("{"):])
@@ -42,11 +46,11 @@ def test_gpu_plugin_check_cpu_dry_run(tmp_path):
 def test_gpu_monitors_check_imports():
     # Lightning's FSDPStrategy refuses CPU, so this script has no dry run: at least every helper it
     # imports must still exist.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    sys.path.insert(0, str(ROOT / "tests"))
+    spec = importlib.util.spec_from_file_location("gpu_monitors_check", ROOT / "benchmarks" / "gpu_monitors_check.py")
+    module = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
     try:
-        module = importlib.import_module("gpu_monitors_check")
+        spec.loader.exec_module(module)  # as `python benchmarks/gpu_monitors_check.py` would import it
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-        sys.path.remove(str(ROOT / "tests"))
+        sys.path[:] = path  # the script puts the repository root first
     assert set(module.CHECKS) == {"fsdp1", "cuda_syncs"}

@@ -17,13 +17,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _helpers_monitors import (  # noqa: E402
+from ln_lightning.testing.monitors import (  # noqa: E402
     BLOCKS,
     GROUPS,
     NORMS,
     FixedBatchLM,
-    _trainer,
+    make_trainer,
     all_monitors,
     compare,
     concat_batches,
@@ -43,7 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 
 def _fit(tmp_path, name, module, **kw):
     kw.setdefault("callbacks", all_monitors())
-    trainer = _trainer(str(tmp_path), name, accelerator="cpu", devices=1, **kw)
+    trainer = make_trainer(str(tmp_path), name, accelerator="cpu", devices=1, **kw)
     trainer.fit(module)
     return trainer, read_scalars(tmp_path / name)
 
@@ -464,7 +463,7 @@ def test_user_block_paths_and_clear_errors(tmp_path):
 
 def test_interval_defaults_to_log_every_n_steps(tmp_path):
     x, y = make_data(world=1, accum=1)
-    trainer = _trainer(str(tmp_path), "default_every", accelerator="cpu", devices=1, max_steps=6, log_every_n_steps=3,
+    trainer = make_trainer(str(tmp_path), "default_every", accelerator="cpu", devices=1, max_steps=6, log_every_n_steps=3,
                        callbacks=[StreamNormMonitor(), LayerNormInputMonitor(), ClipAttributionMonitor()])
     trainer.fit(FixedBatchLM(x, y))
     logged = read_scalars(tmp_path / "default_every")

@@ -8,15 +8,14 @@ last block's stream is measured before the final norm that convert applies after
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _helpers_monitors import BLOCKS, NORMS, FixedBatchLM, _trainer, compare, concat_batches, make_data, read_scalars  # noqa: E402
+from ln_lightning.testing.monitors import (  # noqa: E402
+    BLOCKS, NORMS, FixedBatchLM, compare, concat_batches, make_data, make_trainer, read_scalars,
+)
 
 from ln_lightning import LNPlacement  # noqa: E402
 from ln_lightning.callbacks import LayerNormInputMonitor, StreamNormMonitor  # noqa: E402
@@ -53,7 +52,7 @@ def _prenorm_reference(model, x):
 def test_monitors_measure_the_converted_prenorm_model(tmp_path):
     x, y = make_data(world=1, accum=1)
     module = FixedBatchLM(x, y)
-    trainer = _trainer(str(tmp_path), "converted", accelerator="cpu", devices=1, max_steps=2, log_every_n_steps=1,
+    trainer = make_trainer(str(tmp_path), "converted", accelerator="cpu", devices=1, max_steps=2, log_every_n_steps=1,
                        plugins=[LNPlacement("pre", fused=False)],
                        callbacks=[StreamNormMonitor(every_n_steps=1), LayerNormInputMonitor(every_n_steps=1)])
     trainer.fit(module)

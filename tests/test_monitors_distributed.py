@@ -1,6 +1,6 @@
 """Monitors across processes: ddp_spawn (fp32; bf16 autocast with gradient accumulation) and FSDP2.
 
-Each run is a real script (tests/_helpers_monitors.py) because Lightning's launchers spawn or re-run
+Each run is a real script (`python -m ln_lightning.testing.monitors`) because Lightning's launchers spawn or re-run
 it. The logged values are compared with single-process references on all ranks' batches concatenated.
 """
 
@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _helpers_monitors import (  # noqa: E402
+from ln_lightning.testing.monitors import (
     GROUPS,
     compare,
     concat_batches,
@@ -28,14 +27,14 @@ from _helpers_monitors import (  # noqa: E402
     reference_grad_stats,
 )
 
-HELPER = Path(__file__).parent / "_helpers_monitors.py"
+HELPER = "ln_lightning.testing.monitors"
 pytestmark = pytest.mark.slow
 
 
 def _run(mode: str, out: Path, timeout: int = 400) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(HELPER), mode, str(out)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", HELPER, mode, str(out)], capture_output=True, text=True,
                           timeout=timeout, env=env)
     assert proc.returncode == 0 and (out / f"{mode}.done").exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
 

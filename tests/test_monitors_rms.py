@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _helpers_monitors import _trainer, compare, concat_batches, make_data, read_scalars  # noqa: E402
 from _helpers_monitors_rms import FixedBatchRMSLM, make_rms_model, reference_norm_stats  # noqa: E402
+from ln_lightning.testing.monitors import compare, concat_batches, make_data, make_trainer, read_scalars  # noqa: E402
 
 from ln_lightning.callbacks import LayerNormInputMonitor  # noqa: E402
 
@@ -30,7 +29,7 @@ def _expected_tags(expected):
 
 def test_rmsnorm_monitor_values_equal_independent_float64_recomputation(tmp_path):
     x, y = make_data(world=1, accum=1)
-    trainer = _trainer(str(tmp_path), "rms", accelerator="cpu", devices=1, max_steps=4,
+    trainer = make_trainer(str(tmp_path), "rms", accelerator="cpu", devices=1, max_steps=4,
                        callbacks=[LayerNormInputMonitor(every_n_steps=2)])
     trainer.fit(FixedBatchRMSLM(x, y))
     logged = read_scalars(tmp_path / "rms")
@@ -47,7 +46,7 @@ def test_amp_max_uses_the_modules_own_eps(tmp_path):
     module = FixedBatchRMSLM(x, y)
     with torch.no_grad():
         module.model.llama.embed_tokens.weight.mul_(1e-3)
-    trainer = _trainer(str(tmp_path), "eps", accelerator="cpu", devices=1, max_steps=2,
+    trainer = make_trainer(str(tmp_path), "eps", accelerator="cpu", devices=1, max_steps=2,
                        callbacks=[LayerNormInputMonitor(every_n_steps=1, warn_amp_fraction=None)])
     trainer.fit(module)
     logged = read_scalars(tmp_path / "eps")

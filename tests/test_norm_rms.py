@@ -4,6 +4,7 @@ recognition: test_norm_kinds.py; swapping HF models: test_norm_rms_swap.py."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -12,8 +13,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from torch import nn
 
-from _helpers_norm import Case
-from _helpers_norm_rms import EPS, RMSCase, assert_rows_independent, assert_within_torch_error, rms_cases
+from _helpers_norm_cases import rms_cases
+from ln_lightning.testing.norm import Case
+from ln_lightning.testing.norm_rms import EPS, RMSCase, assert_rows_independent, assert_within_torch_error
 from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, fused_add_rms_norm, rms_norm, swap_layernorms
 from ln_lightning.norm import _cpu_rms_kernels, _rms_torch_ops, functional_rms
 
@@ -28,15 +30,13 @@ def _fused_function_path(monkeypatch):
 @pytest.fixture(params=["compiled", "aten"])
 def cpu_path(request, monkeypatch):
     """Both torch-backend paths, and a counter proving which one ran: compiled forward calls."""
-    if request.param == "compiled":
-        if _cpu_rms_kernels.module() is None:
-            pytest.fail(f"the compiled CPU RMSNorm kernels did not build: {_cpu_rms_kernels.failure}")
-    else:
-        monkeypatch.setattr(_cpu_rms_kernels, "_state", "disabled")
+    if request.param == "compiled" and _cpu_rms_kernels.KERNELS.module() is None:
+        pytest.fail(f"the compiled CPU RMSNorm kernels did not build: {_cpu_rms_kernels.KERNELS.failure}")
     calls = []
     real = _rms_torch_ops._compiled_forward
     monkeypatch.setattr(_rms_torch_ops, "_compiled_forward", lambda *a: calls.append(1) or real(*a))
-    return request.param, calls
+    with _cpu_rms_kernels.KERNELS.disabled() if request.param == "aten" else contextlib.nullcontext():
+        yield request.param, calls
 
 
 def _compiled_expected(case: RMSCase) -> bool:
@@ -98,8 +98,30 @@ def test_rows_are_independent(dtype, cpu_path):
     assert_rows_independent("torch", dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_matches_the_float64_formula(dtype, cpu_path):
+    # Outputs and every gradient (the new residual's downstream gradient adds into dx and dresidual)
+    # against h / sqrt(mean(h**2) + eps) * w in float64, through autograd of elementary ops.
+    name, calls = cpu_path
+    g = torch.Generator().manual_seed(0)
+    x, r, gy, gh = (torch.randn(2, 7, 48, generator=g).to(dtype) for _ in range(4))
+    w = (1 + 0.5 * torch.randn(48, generator=g)).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    y, h = fused_add_rms_norm(*leaves, EPS, backend="torch")
+    got = (y, h, *torch.autograd.grad([y, h], leaves, [gy, gh]))
+    ref = [t.double().requires_grad_() for t in (x, r, w)]
+    h64 = ref[0] + ref[1]
+    y64 = h64 * torch.rsqrt(h64.square().mean(-1, keepdim=True) + EPS) * ref[2]
+    want = (y64, h64, *torch.autograd.grad([y64, h64], ref, [gy.double(), gh.double()]))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for what, a, e in zip(("y", "h", "dx", "dresidual", "dweight"), got, want):
+        err = ((a.double() - e).abs().max() / e.abs().max()).item()
+        assert a.dtype == dtype and err < tol, (what, err)
+    assert bool(calls) == (name == "compiled")
+
+
 def test_compiled_kernels_are_deterministic_across_thread_counts():
-    assert _cpu_rms_kernels.module() is not None, _cpu_rms_kernels.failure
+    assert _cpu_rms_kernels.KERNELS.module() is not None, _cpu_rms_kernels.KERNELS.failure
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 96, generator=g, dtype=torch.bfloat16)
     r = torch.randn(300, 96, generator=g, dtype=torch.bfloat16)
@@ -117,8 +139,8 @@ def test_compiled_kernels_are_deterministic_across_thread_counts():
 
 
 def test_compiled_kernels_reject_bad_layouts():
-    mod = _cpu_rms_kernels.module()
-    assert mod is not None, _cpu_rms_kernels.failure
+    mod = _cpu_rms_kernels.KERNELS.module()
+    assert mod is not None, _cpu_rms_kernels.KERNELS.failure
     with pytest.raises(RuntimeError, match="contiguous"):
         mod.add_rms_norm_fwd(torch.randn(4, 8).t(), None, None, 1e-5, False, 0.0, False)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
@@ -196,6 +218,7 @@ class _PreNormRMSBlock(nn.Module):
         return stream + self.fc2(normed)
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_no_graph_break():
     torch.manual_seed(0)
     block = _PreNormRMSBlock()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import unittest.mock
 from pathlib import Path
 
 _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
@@ -23,9 +24,10 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _helpers_norm import Case  # noqa: E402
-from _helpers_norm_rms import RMSCase, assert_rows_independent, assert_within_torch_error, rms_cases  # noqa: E402
-from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, _backend, fused_add_rms_norm  # noqa: E402
+from _helpers_norm_cases import rms_cases  # noqa: E402
+from ln_lightning.testing.norm import Case, assert_fixed_order_two_stage_reduction  # noqa: E402
+from ln_lightning.testing.norm_rms import RMSCase, assert_rows_independent, assert_within_torch_error  # noqa: E402
+from ln_lightning.norm import FusedRMSNorm, _backend, fused_add_rms_norm  # noqa: E402
 
 INTERPRETER_ACTIVE = _backend.TRITON_INSTALLED and (not _TRITON_PREIMPORTED or _ENV_BEFORE == "1")
 
@@ -42,6 +44,7 @@ def _interpreter_backend(monkeypatch):
         monkeypatch.setattr(_backend, "TRITON_INTERPRET", True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETER_ACTIVE or not _backend.TRITON_INSTALLED, reason="runs in-process instead")
 def test_kernels_under_interpreter_in_subprocess():
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -105,16 +108,22 @@ def test_rows_are_independent(dtype):
 
 @needs_interpreter
 @pytest.mark.parametrize("hidden", [48, 8200])
-def test_weight_grads_are_deterministic(hidden):
+def test_weight_grads_are_a_fixed_order_two_stage_reduction(hidden):
+    # As for the LayerNorm kernels (test_norm_triton.py): per-program float32 partial sums over
+    # contiguous row ranges, then one torch.sum; checked to the bit against that order.
+    from ln_lightning.norm import _triton_rms
+
+    rows = 11
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(11, hidden, generator=g, dtype=torch.bfloat16)
-    r = torch.randn(11, hidden, generator=g, dtype=torch.bfloat16)
-    norm = FusedAddRMSNorm(hidden, eps=1e-6, dtype=torch.bfloat16, backend="triton")
-    grads = []
-    for _ in range(2):
-        y, h = norm(x, r)
-        grads.append(torch.autograd.grad((y.float() * 1.7).sum() + h.float().sum(), [norm.weight])[0])
-    assert torch.equal(*grads)
+    x, r, dy, dres = (torch.randn(rows, hidden, generator=g) for _ in range(4))
+    w = 0.5 * torch.randn(hidden, generator=g)  # float32: dw unrounded
+    _, h, rstd = _triton_rms.triton_add_rms_norm_impl(x, r, w, 1e-6, False, 1.0, "fp32")
+
+    def backward(rows_):
+        return _triton_rms.triton_add_rms_norm_backward_impl(dy[rows_], dres[rows_], h[rows_], rstd[rows_], w, 1.0, True)
+
+    one_program = lambda: unittest.mock.patch.object(_triton_rms, "_num_programs", lambda rows, device: 1)
+    assert_fixed_order_two_stage_reduction(backward, rows, _triton_rms._num_programs(rows, x.device), one_program)
 
 
 @needs_interpreter

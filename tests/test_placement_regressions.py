@@ -423,6 +423,7 @@ def test_half_precision_models_convert_on_every_path(dtype):
 # -- crash 3: the CLI ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["t5", "deberta", "bert"])
 def test_cli_inspect_with_placement_on_real_models_never_prints_a_traceback(name):
     pytest.importorskip("transformers")
@@ -432,6 +433,7 @@ def test_cli_inspect_with_placement_on_real_models_never_prints_a_traceback(name
     assert r.returncode == 0 or (r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1), (r.returncode, r.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _helpers_plugin as h  # noqa: E402
-from ln_lightning import _lightning_patch  # noqa: E402
-from ln_lightning.demo.lightning import CharLM  # noqa: E402
-from ln_lightning.plugin import (  # noqa: E402
+from ln_lightning import _lightning_patch
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.plugin import (
     CHECKPOINT_KEY,
     MARKER,
     REPORT_FILENAME,
@@ -31,6 +27,7 @@ from ln_lightning.plugin import (  # noqa: E402
     UnsupportedStrategyError,
     load_converted,
 )
+from ln_lightning.testing import plugin as h
 
 TOL = 1e-5
 
@@ -270,7 +267,8 @@ class _NoLogProbeLM(h.ProbeLM):
         return self._loss(batch)
 
 
-@pytest.mark.parametrize("style", ["accumulate", "manual", "compile_module", "compile_inner", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("style", ["accumulate", "manual", pytest.param("compile_module", marks=pytest.mark.slow),
+                                   pytest.param("compile_inner", marks=pytest.mark.slow), "bf16-mixed", "bf16-true"])
 def test_training_styles(tmp_path, style):
     placement = LNPlacement("pre", fused=False)
     kw = {}

@@ -30,6 +30,7 @@ def _small(tmp_path) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # jsonargparse's stub lookup (typeshed_client) starts a Python subprocess
 def test_demo_config_parses_with_plugin_and_callbacks(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["fit", "--config", str(CONFIG), "--print_config"])
@@ -43,6 +44,7 @@ def test_demo_config_parses_with_plugin_and_callbacks(capsys):
     assert cfg["trainer"]["logger"]["class_path"].endswith("TensorBoardLogger")
 
 
+@pytest.mark.slow
 def test_demo_fit_writes_report_tensorboard_and_placement_checkpoint(tmp_path):
     assert cli_main(["fit", *_small(tmp_path)]) == 0
     (log_dir,) = (tmp_path / "tb" / "demo_migrate_prenorm").iterdir()

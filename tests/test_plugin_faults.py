@@ -21,12 +21,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _helpers_plugin as h  # noqa: E402
-from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor  # noqa: E402
-from ln_lightning.demo.lightning import CharLM  # noqa: E402
-from ln_lightning.plugin import CHECKPOINT_KEY, MARKER, LNPlacement, load_converted  # noqa: E402
+from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.plugin import CHECKPOINT_KEY, MARKER, LNPlacement, load_converted
+from ln_lightning.testing import plugin as h
 
 HERE = Path(__file__).resolve().parent
 FAULTS = str(HERE / "_helpers_faults.py")
@@ -417,6 +415,7 @@ def _killed_and_resumed_equals_uninterrupted(tmp_path: Path, strategy: str, kill
     assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"]), "resumed weights differ"
 
 
+@pytest.mark.slow
 def test_fit_killed_with_sigkill_resumes_bitwise_from_last_ckpt(tmp_path):
     # 8 steps an epoch, last.ckpt at epoch ends: killed in the second epoch, at step 13 of 24.
     _killed_and_resumed_equals_uninterrupted(tmp_path, "auto", kill_at=13)

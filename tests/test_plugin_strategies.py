@@ -1,7 +1,7 @@
 """LNPlacement on every strategy that runs here: one CPU, ddp and ddp_spawn (2 CPU processes), two simulated
 nodes on 127.0.0.1, and ModelParallelStrategy with FSDP2 `fully_shard` (2 CPU processes).
 
-Each strategy runs one scenario (`_helpers_plugin.run_scenario`): fit -> validate after fit -> fit(ckpt_path)
+Each strategy runs one scenario (`ln_lightning.testing.plugin.run_scenario`): fit -> validate after fit -> fit(ckpt_path)
 on a fresh model -> validate/test/predict(ckpt_path) on fresh models, and the per-rank records are checked
 here against an independent reference: the pre-norm function written out by hand on a fresh, unhooked copy
 of the weights (`prenorm_reference`).
@@ -14,17 +14,14 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ln_lightning.plugin import MARKER, LNPlacement
+from ln_lightning.testing import plugin as h
 
-import _helpers_plugin as h  # noqa: E402
-from ln_lightning.plugin import MARKER, LNPlacement  # noqa: E402
-
-HELPER = str(Path(__file__).resolve().parent / "_helpers_plugin.py")
+HELPER = "ln_lightning.testing.plugin"
 TOL = 1e-5
 
 
@@ -80,7 +77,7 @@ def _free_port() -> int:
 def _run_helper(mode: str, out: str, env_extra: dict | None = None):
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(PYTHONWARNINGS="ignore", **(env_extra or {}))
-    return subprocess.Popen([sys.executable, HELPER, mode, out], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", HELPER, mode, out], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

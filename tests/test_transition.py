@@ -19,8 +19,6 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.demo.lightning import CharLM
 from ln_lightning.placement import PlacementError, convert, transition
@@ -429,7 +427,7 @@ class BlendFile(Callback):
 def test_ddp_spawn_every_rank_has_the_same_blend(tmp_path):
     import json
 
-    from _helpers_dist import DestroyProcessGroupAtExit
+    from ln_lightning.testing.dist import DestroyProcessGroupAtExit
 
     module = LM("demo")
     t = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=5, logger=False, enable_progress_bar=False,
@@ -532,7 +530,7 @@ def _script(mode: str, out: str) -> None:
     """Run as `python tests/test_transition.py MODE OUT` (ddp and ModelParallelStrategy re-run the command line)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from _helpers_dist import DestroyProcessGroupAtExit
+    from ln_lightning.testing.dist import DestroyProcessGroupAtExit
 
     torch.set_num_threads(1)
     strategy = "ddp" if mode == "ddp" else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)

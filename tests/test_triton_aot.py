@@ -22,7 +22,7 @@ from ln_lightning.norm import _backend
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "triton_aot.py"
 
-pytestmark = pytest.mark.skipif(not _backend.TRITON_INSTALLED, reason="triton is not installed")
+pytestmark = [pytest.mark.skipif(not _backend.TRITON_INSTALLED, reason="triton is not installed"), pytest.mark.slow]
 
 
 def run_aot(*args: str, timeout: int, tmp_path: Path, interpret: bool = False) -> tuple[subprocess.CompletedProcess, dict]:

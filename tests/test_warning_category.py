@@ -104,6 +104,7 @@ def _run(code: str, *python_args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *python_args, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_importable_without_lightning_or_torch():
     r = _run("import sys; from ln_lightning import LNLightningWarning; "
              "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
@@ -111,6 +112,7 @@ def test_importable_without_lightning_or_torch():
     assert r.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_command_line_filter_turns_it_into_an_error():
     code = "import warnings, ln_lightning; warnings.warn('from the package', ln_lightning.LNLightningWarning)"
     r = _run(code, "-W", "error::ln_lightning.LNLightningWarning")
@@ -185,6 +187,7 @@ for w in caught:
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ns", ["lightning.pytorch", "pytorch_lightning"])
 def test_command_line_error_filter_stops_the_packages_warnings_at_the_users_line(ns, tmp_path):
     if ns == "pytorch_lightning":

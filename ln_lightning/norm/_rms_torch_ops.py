@@ -100,14 +100,14 @@ def _compiled_forward(x, residual, weight, eps, rdt, offset, round_normed):
         # The stream is float32 here (see _cpu_kernels.usable_forward for the same rule).
         residual = residual.float()
     w = None if weight is None else weight.float().contiguous()
-    return tuple(_cpu_rms_kernels.module().add_rms_norm_fwd(
+    return tuple(_cpu_rms_kernels.KERNELS.module().add_rms_norm_fwd(
         x, residual, w, float(eps), rdt == torch.float32, float(offset), round_normed
     ))
 
 
 def _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w):
     w = None if weight is None else weight.float().contiguous()
-    dh, dw = _cpu_rms_kernels.module().add_rms_norm_bwd(
+    dh, dw = _cpu_rms_kernels.KERNELS.module().add_rms_norm_bwd(
         dy, dresidual, h, rstd, w, float(offset), False, need_w
     )
     return dh, (dw.to(weight.dtype) if need_w else h.new_empty(0))

@@ -106,7 +106,7 @@ def _compiled_forward(x, residual, weight, bias, eps, rdt):
         # residual under residual_in_fp32 is summed in float32 as that option defines.
         residual = residual.float()
     f32 = lambda p: None if p is None else p.float().contiguous()
-    return tuple(_cpu_kernels.module().add_layer_norm_fwd(
+    return tuple(_cpu_kernels.KERNELS.module().add_layer_norm_fwd(
         x, residual, f32(weight), f32(bias), float(eps), rdt == torch.float32
     ))
 
@@ -114,7 +114,7 @@ def _compiled_forward(x, residual, weight, bias, eps, rdt):
 def _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad):
     need_w = need_weight_grad and weight is not None
     need_b = need_bias_grad and bias is not None
-    dh, dw, db = _cpu_kernels.module().add_layer_norm_bwd(
+    dh, dw, db = _cpu_kernels.KERNELS.module().add_layer_norm_bwd(
         dy, dresidual, h, mean, rstd, None if weight is None else weight.float().contiguous(), need_w, need_b
     )
     dw = dw.to(weight.dtype) if need_w else h.new_empty(0)

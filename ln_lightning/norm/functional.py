@@ -36,7 +36,7 @@ def uses_compiled_cpu_kernels(x: Tensor) -> bool:
         x.dtype in _cpu_kernels.DTYPES
         and x.device.type == "cpu"
         and x.numel() >= COMPILED_CPU_FROM
-        and _cpu_kernels.module() is not None
+        and _cpu_kernels.KERNELS.module() is not None
     )
 
 _triton_ops = None

@@ -1,6 +1,6 @@
 """Shared pieces of the LNPlacement tests: a tiny model, data, an independent pre-norm reference, recorders.
 
-Also run as a script (`python tests/_helpers_plugin.py MODE OUT_DIR`) for the strategies whose launcher
+Also run as a script (`python -m ln_lightning.testing.plugin MODE OUT_DIR`) for the strategies whose launcher
 re-executes the command line (ddp, ModelParallelStrategy) or that need separately started processes
 (two simulated nodes): see `run_scenario`.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -19,12 +18,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _helpers_dist import DestroyProcessGroupAtExit  # noqa: E402
-from ln_lightning.demo.lightning import CharLM  # noqa: E402
-from ln_lightning.demo.models import PostNormTransformerLM  # noqa: E402
-from ln_lightning.plugin import MARKER, LNPlacement  # noqa: E402
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.demo.models import PostNormTransformerLM
+from ln_lightning.plugin import MARKER, LNPlacement
+from ln_lightning.testing.dist import DestroyProcessGroupAtExit
 
 TINY = dict(vocab_size=128, d_model=32, n_layers=2, n_heads=2, block_size=16, lr=3e-3, warmup_steps=3)
 SEQ = 16

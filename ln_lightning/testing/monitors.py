@@ -8,8 +8,8 @@ out by hand (in float64, or under the same autocast), and gradients from a plain
 ranks' micro-batches concatenated (`clip_grad_norm_` for the total).
 
 Script use (multi-process runs need a real script: Lightning's launchers re-run or spawn it):
-    python tests/_helpers_monitors.py ddp OUTDIR      # ddp_spawn fp32, then ddp_spawn bf16 + accumulation
-    python tests/_helpers_monitors.py fsdp2 OUTDIR    # ModelParallelStrategy + fully_shard, 2 CPU processes
+    python -m ln_lightning.testing.monitors ddp OUTDIR    # ddp_spawn fp32, then ddp_spawn bf16 + accumulation
+    python -m ln_lightning.testing.monitors fsdp2 OUTDIR  # ModelParallelStrategy + fully_shard, 2 CPU processes
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _helpers_dist import DestroyProcessGroupAtExit  # noqa: E402
-from ln_lightning.demo.models import PostNormTransformerLM  # noqa: E402
+from ln_lightning.demo.models import PostNormTransformerLM
+from ln_lightning.testing.dist import DestroyProcessGroupAtExit
 
 VOCAB, D, LAYERS, HEADS, T = 16, 16, 3, 2, 8
 BLOCKS = [f"model.blocks.{i}" for i in range(LAYERS)]
@@ -52,7 +51,7 @@ def make_model(seed: int = 0) -> PostNormTransformerLM:
     return PostNormTransformerLM(VOCAB, D, LAYERS, HEADS, T)
 
 
-class _MicroBatchIndex(Dataset):
+class MicroBatchIndex(Dataset):
     def __init__(self, n: int):
         self.n = n
 
@@ -110,7 +109,7 @@ class FixedBatchLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
     def train_dataloader(self):
-        return DataLoader(_MicroBatchIndex(self.accum), batch_size=None, shuffle=False)
+        return DataLoader(MicroBatchIndex(self.accum), batch_size=None, shuffle=False)
 
 
 def all_monitors(every: int = 2, **kw):
@@ -300,7 +299,7 @@ def compare(logged: dict[str, list[tuple[int, float]]], expected: dict[str, floa
 # ---------------------------------------------------------------------------------------------
 # Multi-process runs (script entry)
 # ---------------------------------------------------------------------------------------------
-def _trainer(out: str, name: str, **kw) -> L.Trainer:
+def make_trainer(out: str, name: str, **kw) -> L.Trainer:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     kw.setdefault("log_every_n_steps", 2)
@@ -315,11 +314,11 @@ def _trainer(out: str, name: str, **kw) -> L.Trainer:
 def run_ddp(out: str) -> None:
     # fp32, no accumulation, with norm clipping configured
     x, y = make_data(world=2, accum=1)
-    _trainer(out, "ddp_fp32", accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4,
-             gradient_clip_val=0.05, callbacks=[*all_monitors(), CountReductions(out)]).fit(FixedBatchLM(x, y))
+    make_trainer(out, "ddp_fp32", accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4,
+                 gradient_clip_val=0.05, callbacks=[*all_monitors(), CountReductions(out)]).fit(FixedBatchLM(x, y))
     # bf16 autocast and gradient accumulation together
     x, y = make_data(world=2, accum=2)
-    _trainer(out, "ddp_bf16_accum", accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4,
+    make_trainer(out, "ddp_bf16_accum", accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4,
              precision="bf16-mixed", accumulate_grad_batches=2, callbacks=all_monitors()).fit(FixedBatchLM(x, y))
 
 
@@ -328,7 +327,7 @@ def run_fsdp2(out: str) -> None:
 
     x, y = make_data(world=2, accum=1)
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    _trainer(out, "fsdp2", accelerator="cpu", devices=2, strategy=strategy, max_steps=4,
+    make_trainer(out, "fsdp2", accelerator="cpu", devices=2, strategy=strategy, max_steps=4,
              callbacks=all_monitors()).fit(FixedBatchLM(x, y, fsdp2=True))
 
 

@@ -1,0 +1,138 @@
+"""The compiled CPU kernels' build: one :class:`CompiledKernels` object per C++ extension.
+
+Each extension (``csrc/add_layer_norm_cpu.cpp``: :mod:`._cpu_kernels`; ``csrc/add_rms_norm_cpu.cpp``:
+:mod:`._cpu_rms_kernels`) is built on first use with ``torch.utils.cpp_extension`` (a C++ compiler
+and ninja; about 30 s once, cached in ``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``; concurrent processes wait for one build). Flags follow the CPU
+capability PyTorch itself dispatches to (AVX512, AVX2 or the baseline), and the capability is part
+of the extension's name, so a cache shared between different machines never loads code built for
+another instruction set.
+
+When the build is impossible (no compiler, no ninja, a failed compile) the torch backend keeps
+using aten and one warning says why and how to fix it. ``LN_LIGHTNING_CPU_KERNELS=0`` turns the
+compiled kernels off without a warning; :meth:`CompiledKernels.disabled` does so for a block of
+code (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ln_lightning._warnings import LNLightningWarning, _user_stacklevel
+
+ENV_VAR = "LN_LIGHTNING_CPU_KERNELS"
+CSRC = Path(__file__).parent / "csrc"
+_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+_log = logging.getLogger(__name__)
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _capability() -> str:
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - older torch or an unknown platform: baseline flags
+        return "DEFAULT"
+    return cap if cap in _FLAGS else "DEFAULT"
+
+
+def build_extension(name: str, source: Path, what: str):
+    """Build (or load from the cache) the extension ``name`` from ``source`` for this CPU's capability."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    cap = _capability()
+    name = f"{name}_{cap.lower()}"
+    if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+        # Announce the one-time stall (a changed source rebuilds too, unannounced; it is rare).
+        _log.warning(
+            "ln_lightning: compiling the CPU %s kernels for %s (once per machine, about 30 s; "
+            "set %s=0 to use aten's kernels instead)", what, cap, ENV_VAR,
+        )
+    flags = ["-O3", *_FLAGS.get(cap, [])]
+    try:
+        return load(name=name, sources=[str(source)], extra_cflags=[*flags, "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - e.g. Apple clang has no -fopenmp: build the serial kernels
+        _log.warning("ln_lightning: building the CPU kernels with OpenMP failed (%s); building them single-threaded",
+                     str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__)
+        return load(name=f"{name}_serial", sources=[str(source)], extra_cflags=flags, verbose=False)
+
+
+class CompiledKernels:
+    """One C++ extension, built once on first use (thread-safe), or ``None`` with the reason.
+
+    Args:
+        name: the extension's name (the capability is appended).
+        source: its C++ file.
+        what: what it computes, for messages (``"fused LayerNorm"``).
+        fallback: what runs without it, completing "... could not be built, so " in the warning.
+        fallback_choice: what ``ENV_VAR=0`` chooses, for the warning's fix ("aten's kernels").
+        build: replaces the build (tests simulate a failing compiler with it).
+    """
+
+    def __init__(self, name: str, source: Path, what: str, fallback: str, fallback_choice: str,
+                 build: Optional[Callable[[], Any]] = None):
+        self.name, self.source, self.what = name, source, what
+        self.fallback, self.fallback_choice = fallback, fallback_choice
+        self.build = build if build is not None else self.build_default
+        self.state = "unloaded"  # "unloaded" | "loaded" | "disabled" | "failed"
+        self.failure: Optional[str] = None  # why the kernels are not in use, when they are not
+        self._module: Any = None
+        self._lock = threading.Lock()
+
+    def build_default(self):
+        return build_extension(self.name, self.source, self.what)
+
+    def module(self) -> Any:
+        """The compiled module, or ``None`` (:attr:`failure` says why)."""
+        if self.state == "loaded":
+            return self._module
+        if self.state in ("disabled", "failed"):
+            return None
+        with self._lock:
+            if self.state == "unloaded":
+                self._load()
+        return self._module if self.state == "loaded" else None
+
+    def _load(self) -> None:
+        if not enabled_by_env():
+            self.state, self.failure = "disabled", f"{ENV_VAR}=0"
+            return
+        try:
+            self._module, self.state = self.build(), "loaded"
+        except Exception as exc:  # noqa: BLE001 - any build problem: fall back, say so once
+            first = str(exc).strip().splitlines()
+            self.failure = f"{type(exc).__name__}: {first[0][:300] if first else ''}"
+            self.state = "failed"
+            warnings.warn(
+                f"ln_lightning: the compiled CPU {self.what} kernels could not be built, so {self.fallback} "
+                f"({self.failure}). Fix: install a C++ compiler and `pip install ninja`; or set "
+                f"{ENV_VAR}=0 to choose {self.fallback_choice} and silence this warning.",
+                LNLightningWarning,
+                stacklevel=_user_stacklevel(),
+            )
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Inside the block, :meth:`module` is ``None``: the torch backend runs aten, as without a build."""
+        with self._lock:
+            saved = self.state, self.failure
+            self.state, self.failure = "disabled", "switched off by CompiledKernels.disabled()"
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.state, self.failure = saved

@@ -1,0 +1,37 @@
+"""Hypothesis strategies for the fused-norm tests: random :class:`Case` / :class:`RMSCase` tables.
+
+Kept in tests/ (hypothesis is a test dependency); the cases themselves and the float64 references
+are in :mod:`ln_lightning.testing.norm` / :mod:`ln_lightning.testing.norm_rms`.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from ln_lightning.testing.norm import Case
+from ln_lightning.testing.norm_rms import RMSCase
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@st.composite
+def cases(draw, max_rows: int = 8, max_hidden: int = 300, dtypes=DTYPES):
+    hidden = draw(st.one_of(st.sampled_from([1, 2, 3, 7, 31, 64, 127, 255, 256]), st.integers(1, max_hidden)))
+    return Case(
+        rows=draw(st.integers(1, max_rows)),
+        hidden=min(hidden, max_hidden),
+        dtype=draw(st.sampled_from(dtypes)),
+        residual=draw(st.booleans()),
+        affine=draw(st.sampled_from(["full", "no_bias", "none"])),
+        offset=draw(st.sampled_from([0.0, 0.0, 1e4])),
+        constant_rows=draw(st.integers(0, 2)),
+        residual_in_fp32=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@st.composite
+def rms_cases(draw, max_rows: int = 8, max_hidden: int = 300, dtypes=DTYPES):
+    base = draw(cases(max_rows=max_rows, max_hidden=max_hidden, dtypes=dtypes))
+    return RMSCase(base, draw(st.sampled_from(["fp32", "llama", "t5"])), draw(st.booleans()))

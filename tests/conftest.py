@@ -1,0 +1,59 @@
+"""The test suite's configuration: where its helpers come from, and the `slow` rule.
+
+Helpers: what tests and benchmarks share (model builders, float64 references, case tables, the
+multi-process scenarios) is the package's own :mod:`ln_lightning.testing`, imported by its name.
+The tests-only helpers (`tests/_helpers_*.py`: hypothesis strategies, the fault worker, the
+namespace models) are imported by module name too: pyproject.toml's `pythonpath = ["tests"]` puts
+this folder on `sys.path`, so no test edits `sys.path`. Scripts run as `python tests/_helpers_x.py`
+find their siblings the same way (Python puts a script's folder first).
+
+Marks (pyproject.toml): `slow` on every test that starts processes (subprocesses, multi-process
+strategies), compiles with torch.compile, or takes more than a few seconds; `browser` on the one
+that drives headless Chromium. `python -m pytest -q -m "not slow"` is the quick run. The fixture
+below keeps the first part of that rule true: a test without the `slow` mark that starts a Python
+subprocess or a multiprocessing child fails, naming what it started.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# One intra-op thread: the tests' tensors are tiny, and on a busy 2-core machine OpenMP's waiting
+# threads cost more than the work (the quick run at load average 5: 2 min 36 s with two threads, 47 s
+# with one). Tests that need several threads set them (the CPU kernels' thread-count determinism tests).
+torch.set_num_threads(1)
+
+
+def _is_python(argv0) -> bool:
+    name = os.path.basename(os.fsdecode(argv0))
+    return os.fsdecode(argv0) == sys.executable or name.startswith("python")
+
+
+@pytest.fixture(autouse=True)
+def _processes_need_the_slow_mark(request, monkeypatch):
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(what: str):
+        pytest.fail(f"{request.node.nodeid} starts {what} without the `slow` mark: add @pytest.mark.slow", pytrace=False)
+
+    popen_init = subprocess.Popen.__init__
+
+    def checked_popen_init(self, args, *rest, **kwargs):
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        if argv and _is_python(argv[0]) and not kwargs.get("shell"):
+            refuse(f"a Python subprocess ({' '.join(map(os.fsdecode, argv))[:200]})")
+        popen_init(self, args, *rest, **kwargs)
+
+    def refuse_start(process):
+        refuse(f"a child process ({type(process).__name__})")
+
+    # Other executables (ninja and g++ building the CPU kernels on first use) stay allowed.
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen_init)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_start)
