@@ -70,7 +70,7 @@ def _is_import_machinery(filename: str) -> bool:
     return "importlib" in filename and "_bootstrap" in filename  # frames warnings.warn itself does not count
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """The `stacklevel` that makes the caller's next `warnings.warn(...)` name the user's frame.
 
     Counted the way `warnings.warn` counts: from the caller, over frames other than the import machinery.
@@ -109,4 +109,4 @@ def warn(message: str, *, rank_zero_only: bool = True) -> None:
     """
     if rank_zero_only and not _is_rank_zero():
         return
-    warnings.warn(message, LNLightningWarning, stacklevel=_user_stacklevel())  # counted from this frame
+    warnings.warn(message, LNLightningWarning, stacklevel=user_stacklevel())  # counted from this frame

@@ -40,10 +40,10 @@ def _preload_triton_ops() -> None:
         except Exception as exc:  # noqa: BLE001 - the torch backend still works
             import warnings
 
-            from ln_lightning._warnings import LNLightningWarning, _user_stacklevel
+            from ln_lightning._warnings import LNLightningWarning, user_stacklevel
 
             warnings.warn(f"ln_lightning.norm: Triton kernels unavailable ({exc!r}); using the torch backend",
-                          LNLightningWarning, stacklevel=_user_stacklevel())
+                          LNLightningWarning, stacklevel=user_stacklevel())
             _backend.TRITON_INSTALLED = False
 
 

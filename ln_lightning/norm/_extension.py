@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ln_lightning._warnings import LNLightningWarning, _user_stacklevel
+from ln_lightning._warnings import LNLightningWarning, user_stacklevel
 
 ENV_VAR = "LN_LIGHTNING_CPU_KERNELS"
 CSRC = Path(__file__).parent / "csrc"
@@ -122,7 +122,7 @@ class CompiledKernels:
                 f"({self.failure}). Fix: install a C++ compiler and `pip install ninja`; or set "
                 f"{ENV_VAR}=0 to choose {self.fallback_choice} and silence this warning.",
                 LNLightningWarning,
-                stacklevel=_user_stacklevel(),
+                stacklevel=user_stacklevel(),
             )
 
     @contextlib.contextmanager
