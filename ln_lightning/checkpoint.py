@@ -26,7 +26,7 @@ In ``checkpoint["state_dict"]`` (and in any ``state_dict()`` of the rewritten mo
   encoding and its ``load_state_dict`` guard are ``ln_lightning.rewrite_record``'s.
 * ``ln_lightning_transition.blend`` (float32 scalar), ``.start_step`` (int64 scalar, -1 before the first
   step) and ``.schedule`` (int64 ``[steps, kind]``, ``kind`` indexing ``("linear", "cosine")``): only while
-  a post->pre transition (``transition_steps``) is under way (``ln_lightning.placement.transition``).
+  a placement transition (``transition_steps``) is under way (``ln_lightning.placement.transition``).
 * the parameters the rewrite added (a final norm, LayerScale), as ordinary entries.
 
 Versions: there is no version field. ln_lightning 0.1.0 wrote ``"config"``, ``"fused"`` (then: what the
@@ -161,9 +161,9 @@ def check_unconverted(module: nn.Module, checkpoint: dict, *, where: str, resume
     warn(
         f"LNPlacement(resume_unconverted=True): {where} was written without the placement rewrite; its weights are "
         f"loaded into the model rewritten to ({_fmt(config or {})}), which computes "
-        + (f"exactly their own post-norm function at the resume and moves to pre-norm over the next "
-           f"{transition_steps} optimizer steps (transition_steps); the optimizer state of existing parameters "
-           "is kept." if transition_fill else
+        + (f"exactly the function they were trained for at the resume and moves to "
+           f"{(config or {}).get('placement')}-norm over the next {transition_steps} optimizer steps "
+           "(transition_steps); the optimizer state of existing parameters is kept." if transition_fill else
            f"{(config or {}).get('placement')}-norm with them from the first step, not the function they were "
            "trained for.")
         + (f" Parameters the rewrite added keep their fresh values ({', '.join(fresh)})"
@@ -180,7 +180,7 @@ def end_transition(module: nn.Module) -> None:
 
 
 def transition_ended(module: nn.Module) -> bool:
-    """Whether a transition ran on `module` and ended (:func:`end_transition`): its pre-norm model is the transition's."""
+    """Whether a transition ran on `module` and ended (:func:`end_transition`): its converted model is the transition's."""
     return module.__dict__.get(_TRANSITION_ENDED, False)
 
 
@@ -193,7 +193,7 @@ def _transition_before_load(module: nn.Module, state: dict, resume_unconverted: 
         if sched is not None:
             steps, kind = (int(v) for v in sched.tolist())
             raise RuntimeError(
-                f"LNPlacement: the checkpoint was written during a post->pre transition (blend "
+                f"LNPlacement: the checkpoint was written during a placement transition (blend "
                 f"{float(state.get(transition.ATTR + '.blend', float('nan'))):.4g}), but this LNPlacement has no "
                 f"transition_steps, so its model would compute another function with those weights. Pass "
                 f"LNPlacement(..., transition_steps={steps}, transition_schedule={transition.SCHEDULES[kind]!r}) "

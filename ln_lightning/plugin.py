@@ -51,6 +51,7 @@ from ln_lightning.checkpoint import (
 )
 from ln_lightning.norm import FusedLayerNorm, swap_layernorms
 from ln_lightning.placement import PlacementError, convert, inspect_model, transition, validate_options
+from ln_lightning.placement.options import mix_split
 # The state_dict marker and the config record are defined (and documented) in ln_lightning.rewrite_record.
 from ln_lightning.rewrite_record import MARKER
 
@@ -136,8 +137,11 @@ def _difference(existing: dict, request: dict, model: nn.Module, added: list[str
     if placement == "post":
         return None  # "post" takes no other option that changes the function
     if placement == "mix" and existing.get("mix_post_blocks") != request.get("mix_post_blocks"):
-        return (f"mix_post_blocks {existing.get('mix_post_blocks')!r} is not {request.get('mix_post_blocks')!r} "
-                "(None: a quarter of each stack)")
+        # None is a quarter of each stack: an explicit count equal to that on every stack is the same function.
+        depths = [s.depth for s in inspect_model(model).stacks]
+        if [mix_split("mix", d, existing.get("mix_post_blocks")) for d in depths] != [mix_split("mix", d, request.get("mix_post_blocks")) for d in depths]:
+            return (f"mix_post_blocks {existing.get('mix_post_blocks')!r} is not {request.get('mix_post_blocks')!r} "
+                    "(None: a quarter of each stack)")
     stacks = None
     if existing.get("branch_scale") != request["branch_scale"]:
         stacks = _rewritten_stacks(model, placement)
@@ -422,12 +426,15 @@ class LNPlacement(LayerSync, Callback):
     def _check_scale_applies(self, model: nn.Module) -> None:
         # convert scales a branch only when it moves the branch's norm: a block already pre-norm keeps
         # scale 1, which would leave the requested branch_scale silently unapplied there.
-        if self.placement != "pre" or self.branch_scale is None:
+        if self.placement not in ("pre", "mix") or self.branch_scale is None:
             return
         try:
-            already = [b.path for b in inspect_model(model).blocks if b.placement == "pre"]
+            stacks = inspect_model(model).stacks
         except Exception:  # convert reports what it can't read; this check is only about the scale
             return
+        # The blocks the request makes pre-norm ("mix": those after the leading post-norm ones) that already are.
+        already = [b.path for s in stacks for b, target in zip(s.blocks, mix_split(self.placement, s.depth, self.mix_post_blocks))
+                   if target == "pre" and b.placement == "pre"]
         if already:
             raise ValueError(
                 f"LNPlacement: branch_scale={self.branch_scale!r} can't be applied to {len(already)} block(s) that are "
@@ -509,7 +516,7 @@ class LNPlacement(LayerSync, Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         t = transition.active(pl_module)
         if t is not None and self.transition_steps is not None and int(t.start_step) >= 0:
-            if transition.step_blend(t, trainer.global_step) >= 1.0:  # step N done: plain pre-norm from here on
+            if transition.step_blend(t, trainer.global_step) >= 1.0:  # step N done: the plain conversion from here on
                 self._finish_transition(pl_module)
 
     def _finish_transition(self, pl_module: LightningModule) -> None:

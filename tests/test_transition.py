@@ -316,7 +316,7 @@ def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
     Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
             plugins=[plugin()]).validate(evaluated, dataloaders=loader(), ckpt_path=path)
     assert transition.get_blend(evaluated) == 0.25
-    with pytest.raises(RuntimeError, match="during a post->pre transition.*transition_steps=4, transition_schedule='linear'"):
+    with pytest.raises(RuntimeError, match="during a placement transition.*transition_steps=4, transition_schedule='linear'"):
         Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                 plugins=[LNPlacement("pre", fused=False, log_report=False)]).validate(LM("demo"), dataloaders=loader(), ckpt_path=path)
     resumed = LM("demo")
@@ -381,7 +381,7 @@ def test_plugin_less_checkpoint_continues_as_pre_norm(final_norm, tmp_path):
     probe = ResumeProbe(x)
     rec = BlendRecorder()
     plugin = LNPlacement("pre", transition_steps=4, resume_unconverted=True, final_norm=final_norm, fused=False, log_report=False)
-    with pytest.warns(UserWarning, match="exactly their own post-norm function"):
+    with pytest.warns(UserWarning, match="exactly the function they were trained for at the resume and moves to pre-norm"):
         trainer(tmp_path, plugin, max_steps=s + 5, callbacks=[probe, rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
     seen = probe.seen
     assert seen["step"] == s and seen["blend"] == 0.0

@@ -241,3 +241,26 @@ def test_plugin_mix_post_blocks_is_recorded_and_compared():
     with pytest.raises(ValueError, match="mix_post_blocks 1 is not 2"):
         LNPlacement("mix", mix_post_blocks=2, fused=False).rewrite(model)
     LNPlacement("mix", mix_post_blocks=1, fused=False).rewrite(model)  # the same function: adopted
+
+
+def test_plugin_mix_checks_the_scale_and_resolves_the_default_count():
+    with pytest.raises(ValueError, match=r"branch_scale=0.5 can't be applied to 2 block\(s\) that are already pre-norm"):
+        LNPlacement("mix", branch_scale=0.5, fused=False).rewrite(_llama())
+    model = PostNormTransformerLM(vocab_size=64, d_model=32, n_layers=4, n_heads=2, block_size=16)
+    LNPlacement("mix", fused=False).rewrite(model)  # None: a quarter of 4 blocks = 1
+    LNPlacement("mix", mix_post_blocks=1, fused=False).rewrite(model)  # the same function: adopted, not refused
+
+
+def test_norm_hooks_see_the_call_site_normalisation_during_a_transition():
+    model = _bert()
+    transition.begin(model, "pre")
+    norm = model.encoder.layer[0].attention.output.LayerNorm
+    seen = []
+    norm.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    transition.set_blend(model, 0.5)
+    _out(model)
+    assert len(seen) == 2  # the branch entry's normalisation and the call site's (weighted 1-a)
+    transition.finish(model)
+    seen.clear()
+    _out(model)
+    assert len(seen) == 1  # plain pre-norm: the entry only

@@ -344,6 +344,10 @@ class ClipAttributionMonitor(MonitorBase):
             sq_replicated.zero_()
             if value_mode:
                 stats["amax"][row].fill_(float("-inf"))  # no gradient: nothing to clip
+                if log:  # nor any count: this rank adds zeros to the all-reduce, not the last window's counts
+                    for what in ("clipped", "numel"):
+                        stats[f"{what}_sharded"].zero_()
+                        stats[f"{what}_replicated"].zero_()
         if log:
             self._flush_clip(trainer, plan, step, clip_val if clipping else None, value_mode, window)
 

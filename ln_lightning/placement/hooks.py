@@ -1,4 +1,6 @@
-"""The mechanism that moves a LayerNorm from after a residual add to the branch input.
+"""The mechanism that moves a norm between the places of a residual sublayer (after the add, the branch
+input, the branch output), shown here for post-norm to pre-norm; peri and output-norm use the same pieces
+(`NormalizeBranchOutput` at the branch's exit).
 
 A post-norm sublayer is written in the user's `forward` as `x = norm(x + branch(x))`. We do not
 rewrite that code (it may branch on masks, modes or config that a trace cannot see). Instead:
@@ -79,8 +81,8 @@ class DeferredNorm:
         # During a transition (placement/transition.py) the call site blends (1-a)*N(x) + a*x;
         # the attribute is set on the instance by transition.start and removed by transition.finish.
         t = self.__dict__.get("ln_lightning_transition")
-        if t is not None:
-            return t.call_site(x, super().forward(x, *args, **kwargs))
+        if t is not None:  # a real normalisation (weighted 1-a): through normalize, so hooks and monitors see it
+            return t.call_site(x, self.normalize(x) if not args and not kwargs else super().forward(x, *args, **kwargs))
         return x
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
