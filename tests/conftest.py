@@ -29,6 +29,17 @@ import torch
 # with one). Tests that need several threads set them (the CPU kernels' thread-count determinism tests).
 torch.set_num_threads(1)
 
+# CI (CI=true) runs the property tests on hypothesis' fixed, derandomized examples, so a run's result is
+# reproducible; locally they explore new examples each run (where rare edge cases are found and kept).
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+    if os.environ.get("CI") == "true":
+        _hypothesis_settings.load_profile("ci")
+except ImportError:  # hypothesis is a dev extra; the tests that use it skip without it
+    pass
+
 
 def _is_python(argv0) -> bool:
     name = os.path.basename(os.fsdecode(argv0))
