@@ -141,7 +141,7 @@ def check_unconverted(module: nn.Module, checkpoint: dict, *, where: str, resume
             missing.append(prefix + MARKER)
     if not missing:
         return []  # markers present: the load-state-dict hook compares their configurations
-    config = rewrite_record.applied_config(module)[0]
+    config = rewrite_record.recorded_config(module)  # there: whoever placed the markers recorded it
     if not resume_unconverted:
         raise RuntimeError(
             f"LNPlacement: {where} was written without the placement rewrite (no '{MARKER}' entry): its weights "

@@ -50,8 +50,9 @@ from ln_lightning.checkpoint import (
     transition_ended,
 )
 from ln_lightning.norm import FusedLayerNorm, swap_layernorms
-from ln_lightning.placement import PlacementError, convert, inspect_model, transition, validate_options
+from ln_lightning.placement import PlacementError, convert, inspect_model, is_deferred, transition, validate_options
 from ln_lightning.placement.options import mix_split
+from ln_lightning.placement.scale import BranchScale
 # The state_dict marker and the config record are defined (and documented) in ln_lightning.rewrite_record.
 from ln_lightning.rewrite_record import MARKER
 
@@ -165,6 +166,55 @@ def _difference(existing: dict, request: dict, model: nn.Module, added: list[str
         elif added is None or any(f in added for f in finals):  # unknown, or the rewrite added one
             return "final_norm=True added a final norm that final_norm=False would not have"
     return None
+
+
+def _infer_config(model: nn.Module) -> dict | None:
+    """The configuration of an engine rewrite that left no record, read from the model's structure; None if none.
+
+    A fallback for models converted by ``convert`` before it recorded itself (ln_lightning 0.1.0). Deferred
+    norms or branch scales inside the blocks say a pre-norm rewrite happened; ``branch_scale`` comes from the
+    scale modules (one constant, ``1/sqrt(2L)`` per stack, or learnable), ``final_norm`` is True when every
+    rewritten stack ends in a norm. ``layerscale_init`` can't be recovered (the scales may have trained) and is left out.
+    """
+    modules = list(model.modules())
+    if not any(is_deferred(m) or isinstance(m, BranchScale) for m in modules):
+        return None
+    stacks = [s for s in inspect_model(model).stacks if any(b.placement == "pre" for b in s.blocks)]
+    if not stacks:
+        return None
+    per_stack: list[Any] = []
+    for s in stacks:
+        values = []
+        for b in s.blocks:
+            block = model.get_submodule(b.path)
+            for m in block.modules():
+                if isinstance(m, BranchScale):
+                    values.append("layerscale" if getattr(m, "learnable", False) else float(m.value().detach().float().cpu()))
+        kinds = set(values)
+        per_stack.append(None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed")
+    if all(v is None for v in per_stack):
+        branch_scale: Any = None
+    elif all(v == "layerscale" for v in per_stack):
+        branch_scale = "layerscale"
+    elif all(isinstance(v, float) for v in per_stack):
+        if len(set(per_stack)) == 1:
+            branch_scale = per_stack[0]
+        elif all(math.isclose(v, 1 / math.sqrt(2 * s.depth), rel_tol=1e-6) for v, s in zip(per_stack, stacks)):
+            branch_scale = "depth"
+        else:
+            branch_scale = "mixed"
+    else:
+        branch_scale = "mixed"  # no single configuration describes it; never equal to a request
+    return {"placement": "pre", "final_norm": all(s.final_norm is not None for s in stacks), "branch_scale": branch_scale}
+
+
+def _applied_config(model: nn.Module) -> tuple[dict | None, str]:
+    """(configuration, source): recorded on the model ("recorded"), read from its structure ("inferred"), or (None, "")."""
+    config = rewrite_record.recorded_config(model)
+    if config is not None:
+        return config, "recorded"
+    config = _infer_config(model)
+    return (config, "inferred") if config is not None else (None, "")
 
 
 @_lightning_patch.register_placement_class  # what the Trainer entry looks for (the patch imports nothing from here)
@@ -333,9 +383,9 @@ class LNPlacement(LayerSync, Callback):
         """The placement configuration `model` computes, or None if no rewrite touched it.
 
         Read from the record a rewrite leaves on the model (``ln_lightning.rewrite_record``), or, for a model
-        converted by ``convert`` without one, from its structure.
+        converted by ``convert`` without one (ln_lightning 0.1.0), from its structure.
         """
-        return rewrite_record.applied_config(model)[0]
+        return _applied_config(model)[0]
 
     def rewrite(self, model: nn.Module):
         """Convert `model` in place. Returns the ConversionReport, or None if it was already rewritten.
@@ -343,7 +393,7 @@ class LNPlacement(LayerSync, Callback):
         A model already rewritten to the same function is kept as it is (and its configuration recorded);
         one rewritten to another configuration raises ValueError naming both.
         """
-        existing, source = rewrite_record.applied_config(model)
+        existing, source = _applied_config(model)
         if existing is not None:
             self._adopt(model, existing, source)
             return None

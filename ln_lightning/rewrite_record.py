@@ -21,9 +21,9 @@ A rewritten model carries two records, written by :func:`record`:
     ``LNPlacement(resume_unconverted=True)`` for a Trainer's ``ckpt_path``.
 
 ``convert`` records the configuration (``record(..., owners=())``: no marker) whenever it changes a model;
-``LNPlacement`` records both. Models rewritten by ``convert`` before it recorded anything (ln_lightning 0.1.0)
-are recognised by what the engine leaves (deferred norms, branch-scale modules) and their configuration is
-read back from their structure (:func:`infer_config`).
+``LNPlacement`` records both. (Models rewritten by ``convert`` before it recorded anything, ln_lightning 0.1.0,
+have neither: ``LNPlacement`` reads their configuration back from their structure.) This module imports
+nothing else of the package, so the placement engine builds on it.
 
 How checkpoints carry these records, and what else a run with ``LNPlacement`` writes into them, is
 documented in ``ln_lightning.checkpoint``.
@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -213,60 +212,5 @@ def accept_unconverted(model: nn.Module) -> Iterator[nn.Module]:
                 vars(m).pop(_ACCEPT_FLAG, None)
 
 
-# ---------------------------------------------------------------------------------------------- inference
-def infer_config(model: nn.Module) -> dict | None:
-    """The configuration of an engine rewrite that left no record, read from the model's structure; None if none.
-
-    A fallback for models converted by ``convert`` before it records itself. Deferred norms or branch
-    scales inside the blocks say a pre-norm rewrite happened; ``branch_scale`` comes from the scale modules
-    (one constant, ``1/sqrt(2L)`` per stack, or learnable), ``final_norm`` is True when every rewritten stack
-    ends in a norm. ``layerscale_init`` can't be recovered (the scales may have trained) and is left out.
-    """
-    # Here, not at the top: the engine imports this module to record what convert did, and this fallback reads
-    # the engine's own structures (it would sit better on placement's side).
-    from ln_lightning.placement import inspect_model, is_deferred  # noqa: PLC0415
-    from ln_lightning.placement.scale import BranchScale  # noqa: PLC0415
-
-    modules = list(model.modules())
-    if not any(is_deferred(m) or isinstance(m, BranchScale) for m in modules):
-        return None
-    stacks = [s for s in inspect_model(model).stacks if any(b.placement == "pre" for b in s.blocks)]
-    if not stacks:
-        return None
-    per_stack: list[Any] = []
-    for s in stacks:
-        values = []
-        for b in s.blocks:
-            block = model.get_submodule(b.path)
-            for m in block.modules():
-                if isinstance(m, BranchScale):
-                    values.append("layerscale" if getattr(m, "learnable", False) else float(m.value().detach().float().cpu()))
-        kinds = set(values)
-        per_stack.append(None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed")
-    if all(v is None for v in per_stack):
-        branch_scale: Any = None
-    elif all(v == "layerscale" for v in per_stack):
-        branch_scale = "layerscale"
-    elif all(isinstance(v, float) for v in per_stack):
-        if len(set(per_stack)) == 1:
-            branch_scale = per_stack[0]
-        elif all(math.isclose(v, 1 / math.sqrt(2 * s.depth), rel_tol=1e-6) for v, s in zip(per_stack, stacks)):
-            branch_scale = "depth"
-        else:
-            branch_scale = "mixed"
-    else:
-        branch_scale = "mixed"  # no single configuration describes it; never equal to a request
-    return {"placement": "pre", "final_norm": all(s.final_norm is not None for s in stacks), "branch_scale": branch_scale}
-
-
-def applied_config(model: nn.Module) -> tuple[dict | None, str]:
-    """(configuration, source): recorded on the model ("recorded"), read from its structure ("inferred"), or (None, "")."""
-    config = recorded_config(model)
-    if config is not None:
-        return config, "recorded"
-    config = infer_config(model)
-    return (config, "inferred") if config is not None else (None, "")
-
-
-__all__ = ["MARKER", "CONFIG_ATTR", "ADDED_ATTR", "record", "recorded_config", "recorded_added", "applied_config",
-           "infer_config", "accept_unconverted", "marker_owners", "owner_path", "encode_config", "decode_config"]
+__all__ = ["MARKER", "CONFIG_ATTR", "ADDED_ATTR", "record", "recorded_config", "recorded_added", "accept_unconverted",
+           "marker_owners", "owner_path", "encode_config", "decode_config"]
