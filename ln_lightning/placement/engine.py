@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ln_lightning import rewrite_record
 from ln_lightning.placement import final_norm as fn
 from ln_lightning.placement import hooks
 from ln_lightning.placement.blocks import Handler, ScaleFactory
@@ -317,8 +318,6 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
 def _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report: ConversionReport) -> None:
     """Say on the model what it now computes (ln_lightning.rewrite_record), so LNPlacement and
     checkpoints can tell a hand-converted model from a fresh one. The marker buffer is LNPlacement's."""
-    from ln_lightning import rewrite_record
-
     if placement != "post":
         config = {"placement": placement, "final_norm": final_norm, "branch_scale": branch_scale}
         if layerscale_init is not None:
