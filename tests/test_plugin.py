@@ -270,6 +270,9 @@ class _NoLogProbeLM(h.ProbeLM):
 @pytest.mark.parametrize("style", ["accumulate", "manual", pytest.param("compile_module", marks=pytest.mark.slow),
                                    pytest.param("compile_inner", marks=pytest.mark.slow), "bf16-mixed", "bf16-true"])
 def test_training_styles(tmp_path, style):
+    # Seeded: in bf16-true an Adam update of a weight near 1 can round away, so an unseeded init made
+    # "every added parameter changed" fail now and then (seen once in CI, Lightning 2.5.6).
+    torch.manual_seed(0)
     placement = LNPlacement("pre", fused=False)
     kw = {}
     model = (_NoLogProbeLM if style == "compile_module" else h.ProbeLM)(manual=(style == "manual"))
