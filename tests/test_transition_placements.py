@@ -23,21 +23,9 @@ from ln_lightning.plugin import LNPlacement
 T = pytest.importorskip("transformers")
 T.logging.set_verbosity_error()
 
-LLM = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=99,
-           attention_dropout=0.0)
-IDS = {"input_ids": torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(1))}
-# Llama layer: (input norm, module whose output is the branch, its output index)
-LLAMA = [("input_layernorm", "self_attn", 0), ("post_attention_layernorm", "mlp", None)]
+from _helpers_llm import IDS, LLAMA, LLM, rel as _rel, trained as _trained  # noqa: E402
 
 
-def _trained(model: nn.Module) -> nn.Module:
-    """Norm gains away from 1, so that moving or adding a norm changes the function."""
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def _llama() -> nn.Module:
@@ -61,9 +49,6 @@ def _out(model: nn.Module) -> torch.Tensor:
     with torch.no_grad():
         return model(**IDS).last_hidden_state
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 class _BlendOutput(nn.Module):
