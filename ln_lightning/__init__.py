@@ -36,7 +36,7 @@ _EXPORTS = {
     "LNPlacement": "ln_lightning.plugin",
     "load_converted": "ln_lightning.plugin",
     "UnsupportedStrategyError": "ln_lightning.plugin",
-    "accept_unconverted": "ln_lightning.rewrite_record",
+    "accept_unconverted": "ln_lightning.placement.state",
     # monitors
     "StreamNormMonitor": "ln_lightning.callbacks",
     "LayerNormInputMonitor": "ln_lightning.callbacks",
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # static view of the lazy names above, for type checkers and 
         register_norm_class,
     )
     from ln_lightning.plugin import LNPlacement, UnsupportedStrategyError, load_converted
-    from ln_lightning.rewrite_record import accept_unconverted
+    from ln_lightning.placement.state import accept_unconverted
 
 # A literal list, so that static tools read it (sorted(_EXPORTS) + [...] is opaque to them).
 __all__ = [

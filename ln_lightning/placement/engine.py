@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ln_lightning import rewrite_record
 from ln_lightning.placement import final_norm as fn
 from ln_lightning.placement import hooks
+from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.blocks import Handler, ScaleFactory
 from ln_lightning.placement.checks import CheckFailed, relative_error, tolerance
 from ln_lightning.placement.discovery import CONTAINERS, Example, Found, Stack, discover, eval_no_grad, synthetic_probe
@@ -316,19 +316,26 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
 
 
 def _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report: ConversionReport) -> None:
-    """Say on the model what it now computes (ln_lightning.rewrite_record), so LNPlacement and
-    checkpoints can tell a hand-converted model from a fresh one. The marker buffer is LNPlacement's."""
-    if placement != "post":
-        config = {"placement": placement, "final_norm": final_norm, "branch_scale": branch_scale}
-        if layerscale_init is not None:
-            config["layerscale_init"] = layerscale_init
-        if mix_post_blocks is not None:
-            config["mix_post_blocks"] = mix_post_blocks
-        added = (rewrite_record.recorded_added(model) or []) + [a for a in report.added if a not in (rewrite_record.recorded_added(model) or [])]
-        rewrite_record.record(model, config, added=added, owners=())
-    elif all(b.after == "post" for b in report.blocks):
-        for attr in (rewrite_record.CONFIG_ATTR, rewrite_record.ADDED_ATTR):
-            model.__dict__.pop(attr, None)  # back to the model as it was written
+    """Say on the model what it now computes (its RewriteState, ln_lightning.placement.state), so LNPlacement,
+    checkpoints and export can tell a converted model from a fresh one. The marker is LNPlacement's to add."""
+    previous = rewrite_state.of(model)
+    if placement == "post" and all(b.after == "post" for b in report.blocks):
+        rewrite_state.detach(model)  # back to the model as it was written
+        return
+    config = {"placement": placement, "final_norm": final_norm, "branch_scale": branch_scale}
+    if layerscale_init is not None:
+        config["layerscale_init"] = layerscale_init
+    if mix_post_blocks is not None:
+        config["mix_post_blocks"] = mix_post_blocks
+    converted = [(b.path, b.from_written) for b in report.converted]
+    added, derived = list(report.added), dict(report.derived)
+    if previous is not None:  # converted again: what the earlier rewrite did is still there
+        here = {p for p, _ in converted}
+        converted = [c for c in previous.converted if c[0] not in here] + converted
+        added = [a for a in previous.added if a not in report.removed and a not in added] + added
+        derived = {**{a: s for a, s in previous.derived.items() if a in added}, **derived}
+    rewrite_state.attach(model, rewrite_state.RewriteState(config, converted=converted, added=added, derived=derived,
+                                                           report=report.to_dict()))
 
 
 def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_reason, captured, observed, report) -> BlockChange:
@@ -409,6 +416,7 @@ def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict
             raise PlacementError("strict conversion: " + msg)
         report.notes.append(msg)
         return
+    template = fn.template_norm(stack)
     try:
         path = fn.add(model, stack, found)
     except fn.NotAdded as e:
@@ -419,6 +427,9 @@ def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict
         return
     stack.final_norm = path
     report.added.append(path)
+    source = next((p for p, m in model.named_modules() if m is template), None)
+    if source is not None:
+        report.derived[path] = source
     if not converted:
         report.notes.append(f"stack {stack.path} was already pre-norm; added its missing final norm {path}")
 

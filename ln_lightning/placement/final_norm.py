@@ -214,12 +214,16 @@ def _holder(model: nn.Module, stack: Stack) -> tuple[nn.Module, str]:
     )
 
 
+def template_norm(stack: Stack) -> nn.Module:
+    """The norm an added final norm copies: the one that produced the stack's output in the model as written."""
+    template = next((h.output_norm() for h in reversed(stack.handlers) if h.output_norm() is not None), None)
+    return template if template is not None else stack.handlers[-1].norms()[-1]
+
+
 def add(model: nn.Module, stack: Stack, found: Found) -> str:
     """Add and wire a final norm; raises NotAdded with the reason."""
     owner, owner_path = _owner(model, stack)
-    template = next((h.output_norm() for h in reversed(stack.handlers) if h.output_norm() is not None), None)
-    if template is None:
-        template = stack.handlers[-1].norms()[-1]
+    template = template_norm(stack)
     # A copy of the norm that fed the head in the post-norm model: same class, eps and affine
     # parameters, so the head keeps receiving features on the scale and offset it was trained with.
     norm = copy.deepcopy(template)

@@ -39,6 +39,44 @@ def normalizing() -> bool:
     return getattr(_state, "normalizing", 0) > 0
 
 
+WEIGHT_ATTR = "ln_lightning_blend_weight"  # a norm's instance attribute: its normalisations weigh the blend `a`
+
+
+def normalization_weight(norm: nn.Module) -> torch.Tensor | None:
+    """The weight the normalisation `norm` is doing right now has in the model's function, for monitors.
+
+    Outside a placement transition None (weight 1). During one, a deferred norm normalises at its own call
+    site (weight `1 - a`) and at its branch's entries (weight `a`), a norm the conversion added (a final norm,
+    peri's output norm) weighs `a`: a monitor that weights what it sees by this reports the function being
+    computed (at `a = 0` exactly the model before the conversion). A 0-dim tensor on the blend's device.
+    """
+    w = getattr(_state, "weight", None)
+    if w is not None:
+        return w
+    t = norm.__dict__.get(WEIGHT_ATTR)
+    return None if t is None else t.blend
+
+
+@contextlib.contextmanager
+def _weighted(weight: torch.Tensor):
+    old = getattr(_state, "weight", None)
+    _state.weight = weight
+    try:
+        yield
+    finally:
+        _state.weight = old
+
+
+def weighted(norm: nn.Module, weight: torch.Tensor):
+    """A context in which `norm`'s normalisations weigh `weight` (see `normalization_weight`); the transition's.
+
+    Only when something watches the norm (a forward pre-hook: a monitor): otherwise nothing is written, so a
+    compiled or exported model has no thread-local state to trace.
+    """
+    watched = norm.__dict__.get("_ln_pre_hooks") or norm._forward_pre_hooks
+    return _weighted(weight) if watched else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def bypass():
     """Run the model's original (unconverted) function inside this block, on this thread."""
@@ -82,7 +120,9 @@ class DeferredNorm:
         # the attribute is set on the instance by transition.start and removed by transition.finish.
         t = self.__dict__.get("ln_lightning_transition")
         if t is not None:  # a real normalisation (weighted 1-a): through normalize, so hooks and monitors see it
-            return t.call_site(x, self.normalize(x) if not args and not kwargs else super().forward(x, *args, **kwargs))
+            with weighted(self, 1 - t.blend):
+                y = self.normalize(x) if not args and not kwargs else super().forward(x, *args, **kwargs)
+            return t.call_site(x, y)
         return x
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,9 @@ class ConversionReport:
     blocks: list[BlockChange] = field(default_factory=list)
     added: list[str] = field(default_factory=list)  # paths of modules / parameters that convert added
     removed: list[str] = field(default_factory=list)  # paths convert removed (e.g. a final norm it had added)
+    # An added module whose weights start as a copy of another one (a final norm: the norm that fed the head) ->
+    # that module's path.
+    derived: dict[str, str] = field(default_factory=dict)
     # Relative change of the output on the probe input: ||y_after - y_before|| / ||y_before||.
     # Per block always; for the whole model when an example input was available.
     output_change: float | None = None
