@@ -23,8 +23,7 @@ an `LNPlacement` is built; the monitors in `ln_lightning.callbacks` need none of
 
 `install()` is idempotent and refuses Lightning versions outside the tested range. The other internals
 read here: the Trainer's LayerSync plugin (`trainer._accelerator_connector._layer_sync`, in
-:func:`find_placements`), the spawn launcher's class (`_MultiProcessingLauncher`) and the Trainer a
-LightningModule is attached to (`module._trainer`, in :func:`attached_trainer`). This module imports nothing
+:func:`find_placements`), and the spawn launcher's class (`_MultiProcessingLauncher`). This module imports nothing
 from the rest of ln_lightning: the plugin module registers its class (:func:`register_placement_class`), and
 the entry calls only that class's public methods (`check_strategy`, `rewrite`, `after_configure_model`).
 """
@@ -108,11 +107,6 @@ def check_same_namespace(trainer: Any, obj: Any) -> None:
         f"{ours} and {theirs} are separate packages with separate classes and can't be mixed in one Trainer. "
         f"Use `from {source} import {name}` with {theirs}, or build the Trainer from {ours}."
     )
-
-
-def attached_trainer(module: Any) -> Any:
-    """The Trainer `module` (a LightningModule) is attached to, or None (no error when it is not attached)."""
-    return getattr(module, "_trainer", None)
 
 
 def overrides_configure_model(module: Any) -> bool:
