@@ -199,3 +199,29 @@ def test_an_exception_outside_fit_is_harmless(tmp_path, stage):
     with pytest.raises(Failure):
         getattr(_trainer(tmp_path, stage, monitors), stage)(module)
     assert _monitor_hooks(module) == [] and [_open_state(m) for m in monitors] == [{}, {}, {}]
+
+
+def test_an_image_failure_turns_images_off_for_that_fit_only(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ln_lightning.callbacks import StreamNormMonitor, dashboard
+
+    def images(name):
+        acc = EventAccumulator(str(tmp_path / name / "version_0"), size_guidance={"images": 0})
+        acc.Reload()
+        return acc.Tags()["images"]
+
+    x, y = make_data(world=1, accum=1)
+    monitor = StreamNormMonitor(every_n_steps=2)
+    render = dashboard.DepthProfilePlot.render_png
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("no image today")
+
+    monkeypatch.setattr(dashboard.DepthProfilePlot, "render_png", broken)
+    with pytest.warns(UserWarning, match="no image today"):
+        _trainer(tmp_path, "broken", [monitor], max_steps=2).fit(FixedBatchLM(x, y))
+    assert images("broken") == [] and "stream/rms/model.blocks.0" in read_scalars(tmp_path / "broken")
+    monkeypatch.setattr(dashboard.DepthProfilePlot, "render_png", render)
+    _trainer(tmp_path, "mended", [monitor], max_steps=2).fit(FixedBatchLM(x, y))
+    assert monitor.log_depth_profile is True and images("mended") == ["stream/depth_profile"]
