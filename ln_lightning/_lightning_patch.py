@@ -23,9 +23,10 @@ an `LNPlacement` is built; the monitors in `ln_lightning.callbacks` need none of
 
 `install()` is idempotent and refuses Lightning versions outside the tested range. The other internals
 read here: the Trainer's LayerSync plugin (`trainer._accelerator_connector._layer_sync`, in
-:func:`find_placements`), and the spawn launcher's class (`_MultiProcessingLauncher`). This module imports nothing
-from the rest of ln_lightning: the plugin module registers its class (:func:`register_placement_class`), and
-the entry calls only that class's public methods (`check_strategy`, `rewrite`, `after_configure_model`).
+:func:`find_placements`) and the spawn launcher's class (`_MultiProcessingLauncher`). This module imports nothing
+from the rest of ln_lightning but the leaf `ln_lightning._namespace`: the plugin module registers its class
+(:func:`register_placement_class`), and the entry calls only that class's public methods (`check_strategy`,
+`rewrite`, `after_configure_model`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ import functools
 from typing import Any, Callable
 
 import lightning
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer import call as _call
 from lightning.pytorch.trainer.states import TrainerFn
+
+# Moved to a Lightning-free leaf that the monitors use without this module; re-exported for the plugin.
+from ln_lightning._namespace import check_same_namespace, namespace_of  # noqa: F401
 
 # The range this patch was written against and CI tests (lightning / pytorch_lightning 2.5.6 and 2.6.6).
 # Outside it `install` raises: an untested patch could silently stop applying the rewrite.
@@ -72,41 +76,6 @@ def _unsupported_version_message(version: str) -> str:
     )
 
 
-# Written split so that the pytorch_lightning translation (ln_lightning/pytorch_lightning.py), which renames
-# this spelling everywhere in this file, leaves these names alone.
-_NAMESPACES = {"lightning": "lightning" ".pytorch", "pytorch_lightning": "pytorch_lightning"}
-
-
-def namespace_of(cls: type) -> str:
-    """The Lightning namespace (`lightning.pytorch` or `pytorch_lightning`) a Lightning class comes from."""
-    return _NAMESPACES.get(cls.__module__.partition(".")[0], cls.__module__.partition(".")[0])
-
-
-def _namespace(cls: type) -> str | None:
-    """The Lightning namespace a Trainer class comes from; None for anything else."""
-    root, _, rest = cls.__module__.partition(".")
-    return _NAMESPACES.get(root) if cls.__name__ == "Trainer" and rest.endswith("trainer.trainer") else None
-
-
-def check_same_namespace(trainer: Any, obj: Any) -> None:
-    """Refuse `obj` (an ln_lightning plugin or callback) in a Trainer of the other Lightning namespace.
-
-    `lightning.pytorch` and `pytorch_lightning` hold separate classes: the other Trainer would call the hooks
-    but its strategies, modules and checkpoints would fail this object's type checks in confusing ways.
-    """
-    if isinstance(trainer, Trainer):
-        return
-    theirs = next((_namespace(c) for c in type(trainer).__mro__ if _namespace(c)), None)
-    ours = _namespace(Trainer)
-    if theirs is None or theirs == ours:  # not a Lightning Trainer (a test double): nothing to compare
-        return
-    name = type(obj).__name__
-    source = "ln_lightning.pytorch_lightning" if theirs == "pytorch_lightning" else "ln_lightning"
-    raise TypeError(
-        f"{name} was imported for {ours} ({type(obj).__module__}), but this Trainer is a {theirs}.Trainer: "
-        f"{ours} and {theirs} are separate packages with separate classes and can't be mixed in one Trainer. "
-        f"Use `from {source} import {name}` with {theirs}, or build the Trainer from {ours}."
-    )
 
 
 def overrides_configure_model(module: Any) -> bool:

@@ -36,13 +36,16 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "with `lightning.pytorch`."
     ) from None
 
-# The modules that import Lightning classes (the rest of the package is Lightning-free and shared).
+# The modules that import Lightning classes, and the callbacks modules they import (the rest of the package is
+# Lightning-free and shared).
 _CLONED = frozenset({
     "_lightning_patch",
     "checkpoint",
     "plugin",
     "callbacks",
     "callbacks._common",
+    "callbacks._lightning_internals",
+    "callbacks._placement_lookup",
     "callbacks._reduce",
     "callbacks.clip",
     "callbacks.dashboard",

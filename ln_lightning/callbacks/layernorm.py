@@ -51,6 +51,7 @@ class LayerNormInputMonitor(ActivationMonitor):
 
     A rank-zero warning, rate-limited, names the norms whose ``amp_max`` passes
     ``warn_amp_fraction * 1/sqrt(eps)``. ``NORM`` is the module path relative to the LightningModule.
+    Metrics are logged at the steps, and under the step numbers, of Lightning's own ``self.log``.
     Rows of all micro-batches of the logged step on all ranks are pooled exactly (sums and row counts
     all-reduced, minimum across ranks).
 
@@ -67,7 +68,8 @@ class LayerNormInputMonitor(ActivationMonitor):
     Args:
         norm_classes: extra module classes to monitor (a class or a sequence of them); they must have ``normalized_shape`` and ``eps``
             attributes with ``nn.LayerNorm``'s meaning.
-        every_n_steps: logging interval in optimizer steps; ``None`` uses ``trainer.log_every_n_steps``.
+        every_n_steps: logging interval in Lightning's logging steps (optimizer steps; training batches under
+            manual optimisation); ``None`` uses ``trainer.log_every_n_steps``.
         warn_amp_fraction: warn when ``amp_max > warn_amp_fraction / sqrt(eps)``; ``None`` disables warnings.
         warn_cooldown: logging steps before the same norm is warned about again.
         log_depth_profile: also log an image of ``var_min``, ``var_mean`` and ``amp_max`` against norm index.
@@ -156,6 +158,11 @@ class LayerNormInputMonitor(ActivationMonitor):
             n_rms = sum(n.kind == "rms" for n in norms)
             info(_log, f"LayerNormInputMonitor: monitoring {len(targets)} norms ({n_rms} RMSNorm)")
         return targets
+
+    def _stop(self) -> None:
+        super()._stop()
+        self._last_warned.clear()  # the warning cooldown counts this fit's logging steps
+        self._n_logs = 0
 
     def _nothing_found(self) -> str:
         return "LayerNormInputMonitor found no LayerNorm modules and will log nothing."
