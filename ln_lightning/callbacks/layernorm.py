@@ -16,6 +16,7 @@ from ln_lightning._warnings import info, warn
 from ln_lightning.callbacks._common import ActivationMonitor, first_tensor, metric_safe, normalize_name
 from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats
 from ln_lightning.norm import FusedAddLayerNorm, FusedAddRMSNorm, explain_norm, recognize_norm
+from ln_lightning.placement.hooks import normalization_weight
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ class LayerNormInputMonitor(ActivationMonitor):
     Metrics are logged at the steps, and under the step numbers, of Lightning's own ``self.log``.
     Rows of all micro-batches of the logged step on all ranks are pooled exactly (sums and row counts
     all-reduced, minimum across ranks).
+
+    During a placement transition (``LNPlacement(transition_steps=N)``) a norm normalises twice, at its own
+    call site (weighing ``1 - a`` in the function) and at its branch's entries (weighing ``a``); each row is
+    weighted by that (``ln_lightning.placement.hooks.normalization_weight``) and rows of weight 0 are left out,
+    so the statistics are exactly the unconverted model's at blend 0 and the converted model's at blend 1.
 
     RMSNorms (``nn.RMSNorm``, ``FusedRMSNorm`` and every module ``recognize_norm`` finds to be an
     RMSNorm: Hugging Face's ``LlamaRMSNorm``, ``Gemma2RMSNorm``, ``T5LayerNorm``, ...) divide by the
@@ -197,11 +203,22 @@ class LayerNormInputMonitor(ActivationMonitor):
                         x = x + residual.detach().float()
                 # RMSNorm: the mean square it divides by; LayerNorm: the variance
                 stat = x.square().mean(dim=dims) if rms else torch.var(x, dim=dims, correction=0)
-                s["stat_sum"][index] += stat.sum(dtype=torch.float64)
-                s["nonfinite"][index] += stat.numel() - torch.isfinite(stat).sum()
-                s["rows"][index] += stat.numel()
                 neg_min = s["neg_stat_min"][index : index + 1]
-                torch.maximum(neg_min, (-stat.amin()).to(neg_min), out=neg_min)
+                weight = normalization_weight(module)
+                if weight is None:
+                    s["stat_sum"][index] += stat.sum(dtype=torch.float64)
+                    s["nonfinite"][index] += stat.numel() - torch.isfinite(stat).sum()
+                    s["rows"][index] += stat.numel()
+                    torch.maximum(neg_min, (-stat.amin()).to(neg_min), out=neg_min)
+                else:
+                    # Mid-transition: what this normalisation weighs in the function (0 where it does not count),
+                    # so the statistics are the plugin-less model's at blend 0 and the converted one's at 1.
+                    w = weight.detach().to(torch.float64)
+                    counts = w > 0
+                    s["stat_sum"][index] += torch.where(counts, stat.sum(dtype=torch.float64) * w, 0.0)
+                    s["nonfinite"][index] += (stat.numel() - torch.isfinite(stat).sum()) * counts
+                    s["rows"][index] += stat.numel() * w
+                    torch.maximum(neg_min, torch.where(counts, -stat.amin(), -torch.inf).to(neg_min), out=neg_min)
 
         return hook
 
