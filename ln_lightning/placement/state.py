@@ -124,7 +124,7 @@ class RewriteState:
         """Put the marker on each owner of a rewritten stack (or on the root when the rewrite only added modules)
         and the load guard on those and every module above them up to the root. Idempotent."""
         if owners is None:
-            owners = {owner_path(p) for p, _ in self.converted} or ({""} if self.added else set())
+            owners = self.owner_paths()
         value = encode_config(self.config)
         for path in sorted(set(owners)):
             owner = root.get_submodule(path)
@@ -142,6 +142,17 @@ class RewriteState:
             if path not in self.owners:
                 self.owners.append(path)
         self.owners.sort()
+
+    def owner_paths(self) -> list[str]:
+        """The modules :meth:`mark` puts the marker on: each owner of a rewritten stack, else the root."""
+        return sorted({owner_path(p) for p, _ in self.converted} or ({""} if self.added else set()))
+
+    def marker_entries(self, base: str = "") -> dict[str, torch.Tensor]:
+        """The marker entries (key relative to the submodule at `base` -> value) of the model marked with this
+        rewrite: what a model rebuilt from :meth:`relative_to`'s record holds, whether this one is marked or not."""
+        value = encode_config(self.config)
+        rels = (_rel(p, base) for p in (self.owners or self.owner_paths()))
+        return {(f"{r}.{MARKER}" if r else MARKER): value.clone() for r in rels if r is not None}
 
     # ------------------------------------------------------------------ the transition
     def start_transition(self, root: nn.Module, steps: int | None, kind: str = "linear") -> blend.Transition:
@@ -193,14 +204,18 @@ class RewriteState:
             "transition_ended": self.transition_ended,
         }
 
-    def relative_to(self, base: str) -> dict:
+    def relative_to(self, base: str, *, with_transition: bool = False) -> dict:
         """The record with every path relative to the submodule at `base` (its path from the root); raises
-        PlacementError when part of the rewrite lies outside it (that submodule alone does not carry it)."""
+        PlacementError when part of the rewrite lies outside it (that submodule alone does not carry it).
+
+        A transition's blend is held by the root, so a submodule's state_dict lacks it: refused, unless the caller
+        carries the blend along itself (`with_transition`: export writes the root's transition buffers with the
+        submodule's weights)."""
         record = self.to_record()
         if not base:
             return record
         outside = [p for p, _ in self.converted if _rel(p, base) is None] + [a for a in self.added if _rel(a, base) is None]
-        if outside or (self.transition is not None):
+        if outside or (self.transition is not None and not with_transition):
             what = (f"{', '.join(outside[:3])} lie outside {base}" if outside else
                     "the transition's blend is held by the root, outside it")
             raise PlacementError(
