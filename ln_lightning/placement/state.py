@@ -296,13 +296,21 @@ def attach(root: nn.Module, state: RewriteState) -> RewriteState:
         if state.owners:
             state.mark(root, state.owners)  # the markers say the new configuration
     root.__dict__[_STATE_ATTR] = state
+    # A converted Hugging Face model's own save_pretrained would write a directory that loads as the old function:
+    # it gets one that writes the safe form (ln_lightning.export.save_guard).
+    from ln_lightning.export import save_guard
+
+    save_guard.install(root, state)
     return state
 
 
 def detach(root: nn.Module) -> None:
     """Forget the rewrite of `root` (it computes its forward as written again): the state, markers and guards."""
+    from ln_lightning.export import save_guard
+
     state = of(root)
     root.__dict__.pop(_STATE_ATTR, None)
+    save_guard.uninstall(root)
     if state is None:
         return
     for path in state.owners:
