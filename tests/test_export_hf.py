@@ -238,3 +238,14 @@ def test_the_rewrite_state_gives_export_the_markers_and_records_a_rebuilt_model_
     plain = T.BertModel(T.BertConfig(**H))
     convert(plain, "pre")  # unmarked: the markers a rebuilt (marked) model would hold
     assert rewrite_state.of(plain).owners == [] and list(rewrite_state.of(plain).marker_entries()) == ["encoder.ln_lightning_placement"]
+
+
+def test_a_marked_encoder_decoder_saves_with_one_marker_tensor_per_stack(tmp_path):
+    """LNPlacement marks the encoder and the decoder; Hugging Face's save refuses tensors that share storage."""
+    model = trained_looking(T.BartModel(T.BartConfig(**BY_NAME["bart"].config_kwargs))).eval()
+    LNPlacement("pre", fused=False, log_report=False, transition_steps=4).rewrite(model)
+    sd = model.state_dict()
+    assert sd["encoder.ln_lightning_placement"].data_ptr() != sd["decoder.ln_lightning_placement"].data_ptr()
+    expected = output(model, {"input_ids": BY_NAME["bart"].inputs()["input_ids"]})
+    assert model.save_pretrained(tmp_path).route == "remote_code"  # mid-transition: no native class
+    assert rel(output(from_pretrained(tmp_path), {"input_ids": BY_NAME["bart"].inputs()["input_ids"]}), expected) <= TOL

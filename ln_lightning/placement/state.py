@@ -129,10 +129,11 @@ class RewriteState:
         for path in sorted(set(owners)):
             owner = root.get_submodule(path)
             device = _device_of(owner)
+            # One tensor per owner: shared storage would make safetensors (Hugging Face's save_pretrained) refuse them.
             if MARKER in owner._buffers:
-                owner._buffers[MARKER] = value.to(device)
+                owner._buffers[MARKER] = value.to(device, copy=True)
             else:
-                owner.register_buffer(MARKER, value.to(device), persistent=True)
+                owner.register_buffer(MARKER, value.to(device, copy=True), persistent=True)
             owner.__dict__[_OWNER_ATTR] = (self, path)
             # The guard sits on the owner and on every module above it: a load into any of them checks the
             # marker before torch copies a single weight (a load refused half-way would still change the model).
