@@ -129,8 +129,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tied(model: nn.Module) -> bool:
-    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    return out is not None and out.weight.data_ptr() == inp.weight.data_ptr()
+    """Input and output embeddings are one tensor (False for a model without both: a speech model)."""
+    try:
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    except NotImplementedError:
+        return False
+    return out is not None and inp is not None and out.weight.data_ptr() == inp.weight.data_ptr()
 
 
 _isolated: list[str] = []
