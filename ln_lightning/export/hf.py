@@ -87,6 +87,8 @@ def from_pretrained(directory: str | os.PathLike, *, example_input: Any = None, 
                     **hf_kwargs: Any) -> nn.Module:
     """Load a directory ``ln_lightning.save_pretrained`` wrote, computing exactly the function that was saved.
 
+    ``directory``: a local directory (a Hub repository: download it first, ``huggingface_hub.snapshot_download``).
+
     A remote-code directory gives the saved class (``BertForMaskedLM``, ...) with its weights, rebuilt with the
     saved rewrite (``placement.apply.rebuild``, which checks the rebuilt model converts and adds exactly what was
     saved), its added modules' weights and, saved mid-transition, its blend. A native directory gives the native
