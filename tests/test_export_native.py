@@ -131,6 +131,19 @@ def test_a_swapped_norm_in_the_mapping_is_refused_and_would_be_off(monkeypatch):
         to_native(model)
 
 
+def test_save_pretrained_never_writes_a_native_model_that_is_off(monkeypatch, tmp_path):
+    from ln_lightning import from_pretrained, save_pretrained
+
+    model = _converted(lambda: T.RobertaForMaskedLM(T.RobertaConfig(**H)))
+    _swap_roberta_norms(monkeypatch)
+    with pytest.raises(PlacementError, match="computes another function"):
+        save_pretrained(model, tmp_path / "native", native=True)
+    with pytest.warns(UserWarning, match="wrote the remote-code form instead"):
+        written = save_pretrained(model, tmp_path / "auto")
+    assert written.route == "remote_code"
+    assert rel(_out(from_pretrained(tmp_path / "auto"), input_ids=token_ids()), _out(model, input_ids=token_ids())) <= TOL
+
+
 def test_with_default_norms_the_same_swap_goes_unseen(monkeypatch):
     torch.manual_seed(0)
     model = T.RobertaForMaskedLM(T.RobertaConfig(**H)).eval()  # norms at weight 1, bias 0

@@ -98,12 +98,17 @@ def write(model: nn.Module, directory, state, base: str, *, native: bool | None 
     if native is not False:
         try:
             form = native_hf.native_form(model, record)
+            built = native_hf.build_checked(model, form)
         except native_hf.NoNativeForm as err:
             if native:
                 raise PlacementError(f"no native form for {type(model).__name__}: {err}") from None
             log.info("ln_lightning.save_pretrained: %s; writing the remote-code form", err)
+        except PlacementError as err:  # a native model that computes another function: never written
+            if native:
+                raise
+            warn(f"ln_lightning.save_pretrained: {err}; wrote the remote-code form instead")
         else:
-            written = _write_native(model, directory, record, form, hf_kwargs)
+            written = _write_native(directory, record, form, built, model, hf_kwargs)
             written.source = base
             return written
     written = _write_remote(model, directory, state, base, record, hf_kwargs)
@@ -112,8 +117,8 @@ def write(model: nn.Module, directory, state, base: str, *, native: bool | None 
 
 
 # ---------------------------------------------------------------------------------------------- native
-def _write_native(model: nn.Module, directory: Path, record: dict, form: native_hf.NativeForm, hf_kwargs: dict) -> Written:
-    native = native_hf.build_checked(model, form)
+def _write_native(directory: Path, record: dict, form: native_hf.NativeForm, native: nn.Module, model: nn.Module,
+                  hf_kwargs: dict) -> Written:
     hf_kwargs.pop("state_dict", None)  # the native model's own weights are the mapped ones
     native.save_pretrained(directory, **hf_kwargs)
     notes = list(form.notes)

@@ -35,7 +35,8 @@ def _target(model: nn.Module) -> tuple[nn.Module, rewrite_state.RewriteState, st
     state = rewrite_state.of(model)
     if state is not None:  # a LightningModule (or other wrapper) whose rewrite lies in one Hugging Face model
         held = [m for m in model.modules() if isinstance(m.__dict__.get(save_guard.ATTR), save_guard.SavePretrained)]
-        outermost = [m for m in held if not any(m is not o and any(m is s for s in o.modules()) for o in held)]
+        inner = {id(s) for o in held for s in o.modules() if s is not o}
+        outermost = [m for m in held if id(m) not in inner]
         if len(outermost) == 1:
             guard = outermost[0].__dict__[save_guard.ATTR]
             return outermost[0], guard.state, guard.base

@@ -77,8 +77,11 @@ def _source_prefix(model: nn.Module) -> str:
     return f"{prefix}." if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model else ""
 
 
-def _require_plain(record: dict, family: str, native: str) -> None:
-    config = record["config"]
+def _require_plain(record: dict, family: str, native: str, *, any_final_norm: bool = False) -> None:
+    """Plain pre-norm with the final norm added (or, `any_final_norm`, without), no transition."""
+    config = dict(record["config"])
+    if any_final_norm and config.get("final_norm") is False:
+        config["final_norm"] = True
     if {k: config.get(k) for k in PLAIN_PRE} != PLAIN_PRE or set(config) - set(PLAIN_PRE):
         raise NoNativeForm(
             f"{native} computes plain pre-norm with a final norm; this {family} rewrite is "
@@ -194,9 +197,8 @@ def opt(model: nn.Module, record: dict) -> NativeForm:
 
     if model.config.do_layer_norm_before:
         raise NoNativeForm("OPT with do_layer_norm_before=True is pre-norm already; nothing was converted to map")
-    config_in = record["config"]
-    final = bool(config_in.get("final_norm"))
-    _require_plain({**record, "config": {**config_in, "final_norm": True}}, "OPT", "OPT (do_layer_norm_before=True)")
+    final = bool(record["config"].get("final_norm"))
+    _require_plain(record, "OPT", "OPT (do_layer_norm_before=True)", any_final_norm=True)  # _remove_final_layer_norm
     src = _source_prefix(model)
     stack = f"{src}decoder.layers"
     added = [a for a in record["added"] if a.startswith(f"{src}decoder.") and not a.startswith(stack + ".")]
