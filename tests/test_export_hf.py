@@ -205,6 +205,8 @@ def test_what_save_pretrained_refuses(tmp_path):
         save_pretrained(plain, tmp_path / "b", push_to_hub=True)
     with pytest.raises(PlacementError, match="BertModel's family has no pre-norm class"):
         save_pretrained(plain, tmp_path / "c", native=True)
+    with pytest.raises(PlacementError, match="model.safetensors"):
+        plain.save_pretrained(tmp_path / "d", safe_serialization=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

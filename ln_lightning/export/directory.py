@@ -89,6 +89,11 @@ def write(model: nn.Module, directory, state, base: str, *, native: bool | None 
             "push_to_hub: save to a local directory first, then upload that directory (huggingface_hub.upload_folder, "
             "or model.push_to_hub(repo_id), which saves through this function)"
         )
+    if hf_kwargs.get("safe_serialization") is False or hf_kwargs.get("variant"):
+        raise PlacementError(
+            "save_pretrained writes model.safetensors (what ln_lightning.from_pretrained and the remote code read): "
+            "drop safe_serialization=False / variant="
+        )
     if native is not None and not isinstance(native, bool):
         raise TypeError(f"native must be None, True or False, got {native!r}")
     directory = Path(directory)
