@@ -272,3 +272,14 @@ def test_a_plan_missing_a_piece_is_seen_and_without_the_message_the_old_function
     path.write_text(json.dumps(config))
     trap = T.BertForMaskedLM.from_pretrained(tmp_path).eval()
     assert rel(output(trap, inputs), old) <= TOL  # the old function, silently: what the message prevents
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("blend", [None, 0.3], ids=["converted", "mid-transition"])
+def test_a_converted_hugging_face_model_compiles_without_graph_breaks(blend):
+    case = BY_NAME["bert-base"]
+    model = converted(case, transition_blend=blend)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # fullgraph: a graph break raises
+    with torch.no_grad():
+        got = compiled(**case.inputs()).last_hidden_state
+    assert rel(got, output(model, case.inputs())) <= TOL
