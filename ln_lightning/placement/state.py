@@ -30,6 +30,9 @@ with the model; ``ddp_spawn`` workers get it). It holds everything the rewrite i
   that blend; one saved from the rewritten model without a transition ends the model's transition. A
   transition ends in one place, :meth:`RewriteState.end_transition`.
 
+:func:`attach` also gives every Hugging Face model holding part of the rewrite an instance ``save_pretrained`` that
+writes a directory nothing loads as the old function (``ln_lightning.export.save_guard``); :func:`detach` removes it.
+
 Everything else about a rewrite is derived from this object, and written only here: the marker bytes, the
 checkpoint entry (:meth:`RewriteState.checkpoint_entry`) and the JSON record that export writes and reads back
 (:meth:`RewriteState.to_record`, :func:`from_record`, :meth:`RewriteState.relative_to`). The plugin, the
