@@ -124,10 +124,23 @@ def test_a_stack_nested_in_a_sequential_gets_its_final_norm_before_the_head():
     torch.testing.assert_close(model(x), orig.net[1](_ln(model.net_0_final_norm, s)), atol=1e-6, rtol=1e-6)
     assert len(model.net) == 2  # nothing appended to the container the user iterates
 
+    # Every module above the stack is a container: the last block holds the final norm and applies it,
+    # once per forward, before the head reads the stream (issue 22: it used to be left out).
     bare = _trained(nn.Sequential(nn.Sequential(PostBlock(), PostBlock()), nn.Linear(D, D)))
-    r = convert(bare, "pre")
-    assert r.added == [] and any("every module above stack" in n for n in r.notes), str(r)
-    assert len(bare) == 2 and len(bare[0]) == 2
+    orig = copy.deepcopy(bare)
+    for example in (None, x):
+        model = copy.deepcopy(orig)
+        r = convert(model, "pre", example_input=example)
+        assert r.added == ["0.1.final_norm"] and [b.status for b in r.converted] == ["converted"] * 2, str(r)
+        assert len(model) == 2 and len(model[0]) == 2  # no layer appended to the containers the user runs
+        calls = []
+        model[0][1].final_norm.register_forward_hook(lambda *a: calls.append(1))
+        s = _pre(orig[0][1], _pre(orig[0][0], x))
+        torch.testing.assert_close(model(x), orig[1](_ln(model[0][1].final_norm, s)), atol=1e-6, rtol=1e-6)
+        assert calls == [1]
+        back = convert(model, "post", example_input=example)
+        assert back.removed == ["0.1.final_norm"], str(back)
+        torch.testing.assert_close(model(x), orig(x), atol=0, rtol=0)
 
 
 # -- silent wrong 3: a block's own norm reused as the final norm --------------------------------

@@ -9,10 +9,16 @@ each one gets a `Value` node, so the recording is a data-flow graph:
 
     value --read by--> event --produces--> value
 
-An in-place method (`add_`, `__iadd__`, ...) makes a new version of its tensor; a method that
-returns its own input (`contiguous()` of a contiguous tensor, dropout in eval) produces no new value.
-Functions whose result depends only on a tensor's shape (`zeros_like`, `new_ones`, ...) are not
-reads of its values.
+Which tensors a call writes is read from the schemas of the aten operators it dispatches (a
+`TorchDispatchMode` under the function mode: an argument annotated `Tensor(a!)` is written), not
+from its name: `buf[...] = x`, `torch.add(x, y, out=buf)`, `relu(x, inplace=True)` and a
+`torch.library` op with `mutates_args` all write. A write makes a new version of every recorded
+tensor on the written storage (a view's base too), produced by the call that wrote it. A call
+that returns its own input unwritten (`contiguous()` of a contiguous tensor, dropout in eval)
+produces no new value. Functions whose result depends only on a tensor's shape (`zeros_like`,
+`new_ones`, ...) are not reads of its values, unless their result shares its storage (`x.data`).
+A call that turns a tensor's values into something that is not a tensor (`numpy()`, `tolist()`,
+`item()`, `data_ptr()`) is marked `leaves`: what is computed from it can't be followed.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ln_lightning.placement import hooks
 
@@ -34,6 +41,34 @@ _SHAPE_ONLY = {
     "new_zeros", "new_ones", "new_empty", "new_full", "size", "dim", "numel", "__get__", "__len__", "stride",
     "is_floating_point", "is_complex", "element_size", "get_device", "is_contiguous",
 }
+# Results that are metadata or control flow, not the tensor's values carried out of torch.
+_IDENTITY_ONLY = {"__hash__"}
+_NOT_DATA = (bool, str, torch.Size, torch.dtype, torch.device, type(None))
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """Identifies the storage `t` views (the same for a view, its base and `t.data`)."""
+    try:
+        with torch._C.DisableTorchFunction():  # not a call of the model's: keep it out of the recording
+            return t.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - sparse, nested or subclass tensors: no alias tracking
+        return None
+
+
+def _data(obj: Any) -> bool:
+    """Values from out of torch, as a tensor factory is given them: an array, bytes, a list of floats."""
+    if isinstance(obj, (tuple, list)) and not isinstance(obj, torch.Size):
+        return any(_data(o) for o in obj)
+    return isinstance(obj, float) or (_leaves_torch(obj) and not isinstance(obj, (int, slice, type(Ellipsis))))
+
+
+def _leaves_torch(out: Any) -> bool:
+    """Is `out` a tensor's values in a form the recording can't follow (an array, a list, a number, a pointer)?"""
+    if isinstance(out, torch.Tensor) or isinstance(out, _NOT_DATA):
+        return False
+    if isinstance(out, (tuple, list)):
+        return any(_leaves_torch(o) for o in out)
+    return True
 
 
 @dataclass
@@ -55,6 +90,8 @@ class Event:
     outputs: list[tuple[Any, int]] = field(default_factory=list)
     end: int = -1  # module events: index of the last event inside the call
     ours: bool = False  # ln_lightning's own normalisation (inside a branch-entry hook)
+    leaves: bool = False  # function events: its result carries the values out of torch (numpy, a list, a pointer)
+    data_args: bool = False  # function events without tensor inputs: given values from out of torch (an array, a list of floats)
 
     @property
     def is_add(self) -> bool:
@@ -99,48 +136,77 @@ class Recording:
         self._by_id: dict[int, int] = {}
         self._stack: list[int] = []
         self._calls: dict[int, list[Event]] = {}  # id(module) -> its calls, in order
+        self._by_storage: dict[int, set[int]] = {}  # storage key -> ids of the recorded tensors on it
+        self._unindexed: list[torch.Tensor] = []  # recorded since the last write (indexed when one comes)
+        self.written: set[int] = set()  # storage keys the current function call has written (see _Writes)
 
     # -- building ---------------------------------------------------------------------------------
     def value_of(self, t: torch.Tensor, producer: int | None = None) -> int:
         v = self._by_id.get(id(t))
         if v is None or self.values[v].tensor is not t:
-            v = len(self.values)
-            self.values.append(Value(v, t, producer))  # keeps t alive, so its id is not reused
-            self._by_id[id(t)] = v
+            v = self._new_version(t, producer)  # keeps t alive, so its id is not reused
         return v
 
-    def _new_version(self, t: torch.Tensor, producer: int) -> int:
+    def _new_version(self, t: torch.Tensor, producer: int | None) -> int:
         v = len(self.values)
         self.values.append(Value(v, t, producer))
+        if id(t) not in self._by_id:
+            self._unindexed.append(t)
         self._by_id[id(t)] = v
         return v
 
-    def _event(self, kind, name, module, inputs) -> Event:
+    def _index_storages(self) -> None:
+        """Storage key -> tensors, brought up to date (only once a write needs it: most forwards write nothing)."""
+        for t in self._unindexed:
+            key = storage_key(t)
+            if key is not None:
+                self._by_storage.setdefault(key, set()).add(id(t))
+        self._unindexed.clear()
+
+    def _event(self, kind, name, module, inputs, reads: bool = True) -> Event:
         e = Event(len(self.events), kind, name, module, tuple(self._stack), ours=hooks.normalizing())
         self.events.append(e)
         for where, t in inputs:
             v = self.value_of(t)
             e.inputs.append((where, v))
-            if not (kind == "function" and name in _SHAPE_ONLY):
+            if reads:
                 self.values[v].readers.append(e.index)
         return e
 
-    def on_function(self, func, args, kwargs, out) -> None:
+    def on_function(self, func, args, kwargs, out, written: set[int]) -> None:
         ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",)) if kwargs else flatten(args, ("arg",))
         outs = flatten(out)
         if not ins and not outs:
             return
         name = _func_name(func)
-        e = self._event("function", name, None, ins)
         in_ids = {id(t) for _, t in ins}
-        inplace = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+        reads = True
+        if name in _SHAPE_ONLY:
+            # Metadata only, unless the result is the input's storage under another name (`x.data`, `x.T`).
+            fresh = [t for _, t in outs if id(t) not in in_ids]
+            in_keys = {storage_key(t) for _, t in ins} - {None} if fresh else set()
+            reads = any(storage_key(t) in in_keys for t in fresh)
+        e = self._event("function", name, None, ins, reads)
+        e.leaves = reads and not outs and name not in _IDENTITY_ONLY and _leaves_torch(out)
+        e.data_args = not ins and any(_data(a) for a in (*args, *kwargs.values()))
+        versioned = set()
         for where, t in outs:
-            if id(t) in in_ids and inplace:
-                e.outputs.append((where, self._new_version(t, e.index)))  # in-place: a new version
+            if written and id(t) in in_ids and storage_key(t) in written:
+                e.outputs.append((where, self._new_version(t, e.index)))  # written in place: a new version
+                versioned.add(id(t))
             elif id(t) in in_ids:
                 e.outputs.append((where, self.value_of(t)))  # returned its input unchanged
             else:
                 e.outputs.append((where, self._new_version(t, e.index)))
+                versioned.add(id(t))
+        # Every other recorded tensor on a written storage (the buffer of `buf[...] = x`, a view's base).
+        if written:
+            self._index_storages()
+        for key in written:
+            for tid in sorted(self._by_storage.get(key, ())):
+                if tid not in versioned:
+                    t = self.values[self._by_id[tid]].tensor
+                    e.outputs.append((("written",), self._new_version(t, e.index)))
 
     def enter_module(self, module, args, kwargs) -> None:
         ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",))
@@ -202,20 +268,69 @@ class Recording:
 
 
 class _Mode(TorchFunctionMode):
+    def __init__(self, rec: Recording, by_name: bool = False):
+        super().__init__()
+        self.rec = rec
+        self.by_name = by_name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.rec.written = set()
+        out = func(*args, **kwargs)
+        written, self.rec.written = self.rec.written, set()
+        if self.by_name:
+            name = _func_name(func)
+            if (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
+                written = {storage_key(t) for _, t in flatten(out)} - {None}
+        self.rec.on_function(func, args, kwargs, out, written)
+        return out
+
+
+_WRITES: dict = {}  # aten operator -> ((position or None, name), ...) of the arguments its schema marks written
+
+
+def _written_arguments(func) -> tuple:
+    spec = _WRITES.get(func)
+    if spec is None:
+        spec, position = [], 0
+        for a in func._schema.arguments:
+            if a.alias_info is not None and a.alias_info.is_write:
+                spec.append((None if a.kwarg_only else position, a.name))
+            if not a.kwarg_only:
+                position += 1
+        spec = _WRITES[func] = tuple(spec)
+    return spec
+
+
+class _Writes(TorchDispatchMode):
+    """Under the function mode: the storages each aten operator writes, from its schema's alias
+    annotations (`Tensor(a!)`), collected for the torch function that dispatched it."""
+
     def __init__(self, rec: Recording):
         super().__init__()
         self.rec = rec
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled here; without the wrapper each operator costs less
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.rec.on_function(func, args, kwargs, out)
-        return out
+        for position, name in _written_arguments(func):
+            value = args[position] if position is not None and position < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    key = storage_key(t)
+                    if key is not None:
+                        self.rec.written.add(key)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def record(root: nn.Module, prefix: str = "") -> Iterator[Recording]:
-    """Record every call of `root` and its submodules, and every torch function, inside the block."""
+def record(root: nn.Module, prefix: str = "", writes: bool = True) -> Iterator[Recording]:
+    """Record every call of `root` and its submodules, and every torch function, inside the block.
+    `writes=False`: without the operators' write annotations (in-place by the call's name only), for
+    a check that has another one behind it for what the recording can't see (`black_box.py`)."""
     paths: dict[int, str] = {}
     for name, m in root.named_modules(remove_duplicate=True):
         paths.setdefault(id(m), f"{prefix}.{name}" if prefix and name else (name or prefix))
@@ -232,7 +347,7 @@ def record(root: nn.Module, prefix: str = "") -> Iterator[Recording]:
         handles.append(nn.Module.register_forward_pre_hook(m, lambda mod, a, kw: rec.enter_module(mod, a, kw), with_kwargs=True))
         handles.append(nn.Module.register_forward_hook(m, lambda mod, a, out: rec.exit_module(mod, out), always_call=True))
     try:
-        with _Mode(rec):
+        with (_Writes(rec) if writes else contextlib.nullcontext()), _Mode(rec, by_name=not writes):
             yield rec
     finally:
         for h in handles:
