@@ -300,8 +300,8 @@ def _handler(block: nn.Module, path: str, run: ModelRun | None) -> Handler:
         ) from None
     # Alone on one tensor, a block may skip a sublayer that needs another argument (a decoder's
     # cross-attention without encoder states): a norm that did not run means the probe saw part of it.
-    idle = [p for p, m in block.named_modules()
-            if isinstance(m, norm_types()) and not rec.module_calls(m) and not hasattr(m, FINAL_NORM_MARKER)]
+    ours = {id(x) for m in block.modules() if hasattr(m, FINAL_NORM_MARKER) for x in m.modules()}  # an added final norm: off in a probe
+    idle = [p for p, m in block.named_modules() if isinstance(m, norm_types()) and not rec.module_calls(m) and id(m) not in ours]
     if idle:
         raise Unrecognised(
             f"its norm {join(path, idle[0])} did not run when the block ran alone on a probe tensor (a sublayer that needs "
