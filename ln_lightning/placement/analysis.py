@@ -89,11 +89,18 @@ class _Block:
 
     def __init__(self, rec: Recording, call: Event, types):
         self.rec, self.call, self.types = rec, call, types
-        outs = {v for _, v in call.outputs}
-        self.feeds_output: set[int] = set(outs)
-        for v in outs:
-            self.feeds_output |= rec.ancestors(v, within=call)
+        self._feeds_output: set[int] | None = None
         self.earlier_streams: list[int] = []
+
+    @property
+    def feeds_output(self) -> set[int]:
+        """The values the block's outputs are computed from (walked once, when first asked)."""
+        if self._feeds_output is None:
+            outs = {v for _, v in self.call.outputs}
+            self._feeds_output = set(outs)
+            for v in outs:
+                self._feeds_output |= self.rec.ancestors(v, within=self.call)
+        return self._feeds_output
 
     def uses(self, e: Event, v: int) -> bool:
         """Does `e` really read `v`? A module call that only carries it along (inside a list argument
@@ -228,11 +235,18 @@ def _next_sublayer(blk: _Block, s: int, index: int) -> tuple[ObservedSublayer, i
     # sum (Cohere's `residual + attn + mlp`).
     terms, chained = _terms(blk, b), False
     while True:
-        nxt = [e for e in blk.readers(a) if not blk.observer(e)]
-        if len(nxt) != 1 or not nxt[0].is_add:
+        readers_a = blk.readers(a)
+        nxt = [e for e in readers_a if e.is_add]
+        if len(nxt) != 1:
             break
         other = next(v for _, v in nxt[0].inputs if v != a)
-        if other not in desc or other in rec.descendants(a, within=blk.call):
+        if other not in desc:
+            break
+        # Made before the sum, it can't be computed from it (the usual order: branches first, then the adds).
+        made_before = _done_before(rec, other, a)
+        if not made_before and other in rec.descendants(a, within=blk.call):
+            break
+        if any(e is not nxt[0] and not blk.observer(e) for e in readers_a):
             break
         terms += _terms(blk, other)
         chained, add, a = True, nxt[0], _out(nxt[0])
@@ -283,6 +297,15 @@ PARALLEL = (
     "a parallel-residual sublayer (x + A(N1(x)) + M(N2(x)), or one norm shared by the branches) has no single branch "
     "output: peri and output placements would need a norm on each branch's output, which ln_lightning does not add"
 )
+
+
+def _done_before(rec: Recording, v: int, w: int) -> bool:
+    """Was value `v` complete before `w` was made (so it can't depend on `w`)?"""
+    pv, pw = rec.values[v].producer, rec.values[w].producer
+    if pv is None or pw is None:
+        return pv is None and pw is not None
+    e = rec.events[pv]
+    return (e.end if e.kind == "module" else e.index) < pw
 
 
 def _terms(blk: _Block, v: int) -> list[int]:

@@ -117,7 +117,7 @@ class _Chain:
         self.branch: dict[int, torch.Tensor] = {}  # peri: each output norm's input, F(...)
         self.calls: dict = {}
         self.dtype = torch.float32  # the block's: norms on the branch output run in it, as in the rewrite
-        self.rounding = 0.0  # the sum of ||t + F|| over the subtractions: the bound on their rounding
+        self.sums: list[torch.Tensor] = []  # each `t + F` subtracted from: their size bounds the reference's rounding
         self.error: str | None = None
 
     def fail(self, msg: str) -> None:
@@ -185,7 +185,7 @@ def _hooks_post(block: nn.Module, chain: _Chain, handles: list) -> None:
                 chain.fail(f"sublayer {k}'s norm ran before its branch was given its input")
                 return None
             u = captured.pop("u").double()
-            chain.rounding += u.norm().item()
+            chain.sums.append(u)
             f = u - chain.fed[k].double()
             s_next = chain.step(k, f)
             if k + 1 < len(subs):
@@ -234,7 +234,7 @@ def _branch_value(chain: _Chain, k: int, next_raw: torch.Tensor) -> torch.Tensor
             chain.fail(f"sublayer {k}'s output norm did not run")
             return torch.zeros_like(next_raw, dtype=torch.float64)
         return chain.branch[k].double()
-    chain.rounding += next_raw.double().norm().item()
+    chain.sums.append(next_raw)
     return next_raw.double() - chain.raw[k].double()
 
 
@@ -271,11 +271,13 @@ def _half(obj) -> bool:
     return False
 
 
-def reference_outputs(block: nn.Module, streams: list[ReferenceStream], args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, float]]:
+def reference_outputs(block: nn.Module, streams: list[ReferenceStream], args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, "_Slack"]]:
     """(output, slack) of each stream under the target placement, from one run of the block's original
-    function on `args` / `kwargs`; raises CheckFailed when the block does not run as its sublayers say."""
+    function on `args` / `kwargs` (slack: its rounding bound, `float(slack)`); raises CheckFailed when
+    the block does not run as its sublayers say."""
     chains = [_Chain(block, st) for st in streams]
-    in_float64 = _half((args, kwargs)) or any(_half(t) for t in block.parameters())
+    # The inputs' and the norms' dtype say the block's (a walk over all its parameters costs a block forward's tenth).
+    in_float64 = _half((args, kwargs)) or any(_half(t) for c in chains for sub in c.subs for t in sub.norm.parameters())
     handles: list = []
     for chain in chains:
         kinds = {s.written for s in chain.subs}
@@ -309,5 +311,17 @@ def reference_outputs(block: nn.Module, streams: list[ReferenceStream], args: tu
                 raise CheckFailed(f"reference run: {len(chain.raw)} of the block's {n} sublayer norms ran")
             got = chain.step(n - 1, _branch_value(chain, n - 1, got)).to(got.dtype)
         unit = torch.finfo(torch.float64 if in_float64 else chain.dtype).eps
-        results.append((got, 4 * unit * chain.rounding / max(got.double().norm().item(), 1e-30)))
+        results.append((got, _Slack(unit, chain.sums, got)))
     return results
+
+
+class _Slack:
+    """The reference's rounding bound, relative to its output: 4 u sum ||t + F|| / ||output||; computed
+    only when a comparison needs it (float(...))."""
+
+    def __init__(self, unit: float, sums: list, out: torch.Tensor):
+        self.unit, self.sums, self.out = unit, sums, out
+
+    def __float__(self) -> float:
+        total = sum(t.double().norm().item() for t in self.sums)
+        return 4 * self.unit * total / max(self.out.double().norm().item(), 1e-30)

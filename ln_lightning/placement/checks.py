@@ -87,16 +87,14 @@ def check_hooked(block: nn.Module, streams: list[tuple], args: tuple, kwargs: di
             # nn.Module's own method: on a deferred norm (peri's output norm) it sees the call site.
             handles.append(nn.Module.register_forward_hook(block.get_submodule(sc.exit_module), r, prepend=True))
     try:
-        with record(block, writes=False) as rec:  # what the recording can't see, black_box.py does
+        with record(block) as rec:
             out = block(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
     call = next(e for e in rec.events if e.kind == "module" and e.module is block)
     inside = lambda e: call.index < e.index <= call.end  # noqa: E731
-    feeds_output = {v for _, v in call.outputs}
-    for v in list(feeds_output):
-        feeds_output |= rec.ancestors(v, within=call)
+    feeds_output = _FeedsOutput(rec, call)
     # Every deferred norm's call site passes its input through, whatever placement it serves.
     for m in block.modules():
         if hooks.is_deferred(m):
@@ -114,6 +112,20 @@ def check_hooked(block: nn.Module, streams: list[tuple], args: tuple, kwargs: di
             raise CheckFailed("the rewritten block has no stream input or output")
         err = max(err, _check_stream(rec, call, block, s, out_v, stream_subs, raw_exits, feeds_output, inside))
     return err, out
+
+
+class _FeedsOutput:
+    """`v in feeds_output`: is the value one the block's outputs are computed from? (Walked when first asked.)"""
+
+    def __init__(self, rec, call):
+        self.rec, self.call, self.values = rec, call, None
+
+    def __contains__(self, v) -> bool:
+        if self.values is None:
+            self.values = {o for _, o in self.call.outputs}
+            for o in list(self.values):
+                self.values |= self.rec.ancestors(o, within=self.call)
+        return v in self.values
 
 
 def _check_stream(rec, call, block, s, out_v, subs, raw_exits, feeds_output, inside) -> float:

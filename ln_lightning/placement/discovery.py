@@ -95,6 +95,22 @@ def _contains_norm(m: nn.Module) -> bool:
     return any(isinstance(x, types) for x in m.modules())
 
 
+def norm_holders(root: nn.Module) -> set[int]:
+    """Ids of the modules under `root` (itself included) that hold a norm: one walk, not one per question."""
+    types, out = norm_types(), set()
+
+    def walk(m: nn.Module) -> bool:
+        has = isinstance(m, types)
+        for c in m.children():
+            has = walk(c) or has
+        if has:
+            out.add(id(m))
+        return has
+
+    walk(root)
+    return out
+
+
 def run_model(model: nn.Module, example: Any):
     if isinstance(example, dict):
         return model(**example)
@@ -103,8 +119,10 @@ def run_model(model: nn.Module, example: Any):
     return model(example)
 
 
-def observe_model(model: nn.Module, example: Example) -> ModelRun:
-    """Run the model once on `example` (eval, no grad, our hooks bypassed), recording everything."""
+def observe_model(model: nn.Module, example: Example, holders: set[int] | None = None) -> ModelRun:
+    """Run the model once on `example` (eval, no grad, our hooks bypassed), recording everything; the
+    arguments of each module's first call are kept (of the modules in `holders` only, when given: a
+    block holds a norm)."""
     inputs: dict = {}
     target = model.get_submodule(example.path) if example.path else model
 
@@ -115,7 +133,8 @@ def observe_model(model: nn.Module, example: Example) -> ModelRun:
             memo = {id(v): v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
             inputs[id(mod)] = copy.deepcopy((tuple(args), dict(kwargs)), memo)
 
-    handles = [m.register_forward_pre_hook(capture, with_kwargs=True, prepend=True) for m in target.modules()]
+    handles = [m.register_forward_pre_hook(capture, with_kwargs=True, prepend=True) for m in target.modules()
+               if holders is None or id(m) in holders]
     try:
         with eval_no_grad(model), hooks.bypass(), record(target, example.path) as rec:
             out = run_model(target, example.value)
@@ -131,14 +150,26 @@ class eval_no_grad:
 
     def __enter__(self):
         self.modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
+        # nn.Module.__setattr__ on every module of a deep model is not free: the flag is written directly,
+        # unless a module has its own train() (then eval() runs, which calls it).
+        self.plain = all(type(m).train is nn.Module.train for m, _ in self.modes)
+        if not self.plain:
+            self.model.eval()
+        else:
+            for m, t in self.modes:
+                if t:
+                    m.__dict__["training"] = False
         self.grad = torch.no_grad()
         self.grad.__enter__()
 
     def __exit__(self, *exc):
         self.grad.__exit__(*exc)
         for m, t in self.modes:
-            m.training = t
+            if m.training != t:
+                if self.plain:
+                    m.__dict__["training"] = t
+                else:
+                    m.training = t
 
 
 def synthetic_probe(block: nn.Module, dim: int) -> tuple[tuple, dict]:
@@ -316,11 +347,13 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
     its children are searched, and the reason is reported when nothing inside is a block either."""
     found = Found()
     run = None
+    holders = norm_holders(model)
+    contains = lambda m: id(m) in holders  # noqa: E731
     if example is not None and example.made_up:
         for path in [example.path, *example.fallbacks]:  # the outermost module that runs on the made-up ids
             try:
                 example.path = path
-                run = observe_model(model, example)
+                run = observe_model(model, example, holders)
                 break
             except Exception:  # noqa: BLE001 - that one does not take token ids alone
                 continue
@@ -328,7 +361,7 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
         if run is None:
             example.value = None
     elif example is not None:
-        run = observe_model(model, example)
+        run = observe_model(model, example, holders)
     found.observation = run
     types = norm_types()
     stacks: dict[str, Stack] = {}
@@ -338,7 +371,7 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
 
     def attempt(child: nn.Module, cpath: str, container_path: str, report: bool) -> None:
         h = None
-        if not _always_a_candidate(child) and _holds_a_stack(child):
+        if not _always_a_candidate(child) and _holds_a_stack(child, contains):
             # A wrapper around a container of blocks (a `Stack` holding `blocks`, ALBERT's layer group):
             # the blocks are the ones inside, unless the wrapper has residual sublayers of its own
             # around them (MobileBERT's layer: its bottleneck residual holds a stack of FFN blocks).
@@ -346,7 +379,7 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
                 h = _handler(child, cpath, run)
             except Unrecognised:
                 h = None
-            if h is None or not _owns_a_sublayer(h, child):
+            if h is None or not _owns_a_sublayer(h, child, contains):
                 h = None
                 before = count()
                 visit(child, cpath)
@@ -369,7 +402,7 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
         in_container = isinstance(m, CONTAINERS)
         for name, child in m.named_children():
             cpath = join(path, name)
-            if isinstance(child, types) or not _contains_norm(child):
+            if isinstance(child, types) or not contains(child):
                 continue
             if isinstance(child, CONTAINERS):
                 visit(child, cpath)
@@ -386,22 +419,22 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
     return found
 
 
-def _owns_a_sublayer(h: Handler, m: nn.Module) -> bool:
+def _owns_a_sublayer(h: Handler, m: nn.Module, contains=_contains_norm) -> bool:
     """Is one of the handler's sublayer norms outside the blocks of the stacks `m` holds?"""
     if not isinstance(h, HookedHandler):
         return True
     inner = {id(x) for sub in m.modules() if sub is not m and isinstance(sub, CONTAINERS)
-             for c in sub.children() if _contains_norm(c) for x in c.modules()}
+             for c in sub.children() if contains(c) for x in c.modules()}
     return any(s.norm is not None and id(h._get(s.norm)) not in inner for s in h.subs)
 
 
-def _holds_a_stack(m: nn.Module) -> bool:
+def _holds_a_stack(m: nn.Module, contains=_contains_norm) -> bool:
     """Does `m` hold a container of blocks: children that hold norms, all of one class? (T5's block
     holds a container of *different* sublayer modules: it is one block itself.)"""
     types = norm_types()
     for sub in m.modules():
         if sub is not m and isinstance(sub, CONTAINERS):
-            inner = [c for c in sub.children() if not isinstance(c, types) and _contains_norm(c)]
+            inner = [c for c in sub.children() if not isinstance(c, types) and contains(c)]
             if inner and len({type(c) for c in inner}) == 1:
                 return True
     return False

@@ -9,11 +9,13 @@ each one gets a `Value` node, so the recording is a data-flow graph:
 
     value --read by--> event --produces--> value
 
-Which tensors a call writes is read from the schemas of the aten operators it dispatches (a
-`TorchDispatchMode` under the function mode: an argument annotated `Tensor(a!)` is written), not
-from its name: `buf[...] = x`, `torch.add(x, y, out=buf)`, `relu(x, inplace=True)` and a
-`torch.library` op with `mutates_args` all write. A write makes a new version of every recorded
-tensor on the written storage (a view's base too), produced by the call that wrote it. A call
+Which tensors a call writes is read from the write annotations of the aten operators it runs, not
+from its name: each argument an operator's schema marks `Tensor(a!)` has its version counter bumped
+(autograd's ADInplaceOrView kernels do it, under no_grad too), so an argument whose `_version`
+changed across the call was written: `buf[...] = x`, `torch.add(x, y, out=buf)`, `relu(x,
+inplace=True)` and a `torch.library` op with `mutates_args` all are. A write makes a new version of
+every recorded tensor on the written storage (a view's base, `x` under `x.data`), produced by the
+call that wrote it. A call
 that returns its own input unwritten (`contiguous()` of a contiguous tensor, dropout in eval)
 produces no new value. Functions whose result depends only on a tensor's shape (`zeros_like`,
 `new_ones`, ...) are not reads of its values, unless their result shares its storage (`x.data`).
@@ -30,7 +32,6 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ln_lightning.placement import hooks
 
@@ -62,6 +63,13 @@ def _data(obj: Any) -> bool:
     return isinstance(obj, float) or (_leaves_torch(obj) and not isinstance(obj, (int, slice, type(Ellipsis))))
 
 
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
 def _leaves_torch(out: Any) -> bool:
     """Is `out` a tensor's values in a form the recording can't follow (an array, a list, a number, a pointer)?"""
     if isinstance(out, torch.Tensor) or isinstance(out, _NOT_DATA):
@@ -71,7 +79,7 @@ def _leaves_torch(out: Any) -> bool:
     return True
 
 
-@dataclass
+@dataclass(slots=True)
 class Value:
     index: int
     tensor: torch.Tensor
@@ -79,7 +87,7 @@ class Value:
     readers: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     index: int
     kind: str  # "function" | "module"
@@ -103,6 +111,10 @@ class Event:
 
 def flatten(obj: Any, where: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
     """(location, tensor) for every tensor in nested tuples / lists / dicts (ModelOutputs included)."""
+    if isinstance(obj, torch.Tensor):  # the common cases, without the recursion
+        return [(where, obj)]
+    if obj is None:
+        return []
     out: list = []
     _flatten(obj, where, out)
     return out
@@ -135,10 +147,10 @@ class Recording:
         self.values: list[Value] = []
         self._by_id: dict[int, int] = {}
         self._stack: list[int] = []
+        self._frames: tuple[int, ...] = ()  # tuple(self._stack), shared by the events made inside the same call
         self._calls: dict[int, list[Event]] = {}  # id(module) -> its calls, in order
         self._by_storage: dict[int, set[int]] = {}  # storage key -> ids of the recorded tensors on it
         self._unindexed: list[torch.Tensor] = []  # recorded since the last write (indexed when one comes)
-        self.written: set[int] = set()  # storage keys the current function call has written (see _Writes)
 
     # -- building ---------------------------------------------------------------------------------
     def value_of(self, t: torch.Tensor, producer: int | None = None) -> int:
@@ -164,17 +176,22 @@ class Recording:
         self._unindexed.clear()
 
     def _event(self, kind, name, module, inputs, reads: bool = True) -> Event:
-        e = Event(len(self.events), kind, name, module, tuple(self._stack), ours=hooks.normalizing())
+        e = Event(len(self.events), kind, name, module, self._frames, ours=hooks.normalizing())
         self.events.append(e)
+        values, e_inputs = self.values, e.inputs
         for where, t in inputs:
             v = self.value_of(t)
-            e.inputs.append((where, v))
+            e_inputs.append((where, v))
             if reads:
-                self.values[v].readers.append(e.index)
+                values[v].readers.append(e.index)
         return e
 
-    def on_function(self, func, args, kwargs, out, written: set[int]) -> None:
-        ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",)) if kwargs else flatten(args, ("arg",))
+    @staticmethod
+    def written(ins: list, before: list, func) -> set[int]:
+        """Storage keys of the arguments the call `func` wrote: those whose version counter moved."""
+        return {storage_key(t) for (_, t), v in zip(ins, before) if v is not None and _version(t) != v} - {None}
+
+    def on_function(self, func, ins, args, kwargs, out, written: set[int]) -> None:
         outs = flatten(out)
         if not ins and not outs:
             return
@@ -187,8 +204,10 @@ class Recording:
             in_keys = {storage_key(t) for _, t in ins} - {None} if fresh else set()
             reads = any(storage_key(t) in in_keys for t in fresh)
         e = self._event("function", name, None, ins, reads)
-        e.leaves = reads and not outs and name not in _IDENTITY_ONLY and _leaves_torch(out)
-        e.data_args = not ins and any(_data(a) for a in (*args, *kwargs.values()))
+        if not outs:
+            e.leaves = reads and name not in _IDENTITY_ONLY and _leaves_torch(out)
+        if not ins:
+            e.data_args = any(_data(a) for a in (*args, *kwargs.values()))
         versioned = set()
         for where, t in outs:
             if written and id(t) in in_ids and storage_key(t) in written:
@@ -199,9 +218,10 @@ class Recording:
             else:
                 e.outputs.append((where, self._new_version(t, e.index)))
                 versioned.add(id(t))
+        if not written:
+            return
         # Every other recorded tensor on a written storage (the buffer of `buf[...] = x`, a view's base).
-        if written:
-            self._index_storages()
+        self._index_storages()
         for key in written:
             for tid in sorted(self._by_storage.get(key, ())):
                 if tid not in versioned:
@@ -213,11 +233,13 @@ class Recording:
         e = self._event("module", self.paths[id(module)], module, ins)
         self._calls.setdefault(id(module), []).append(e)
         self._stack.append(e.index)
+        self._frames = tuple(self._stack)
 
     def exit_module(self, module, out) -> None:
         if not self._stack:
             return
         e = self.events[self._stack.pop()]
+        self._frames = tuple(self._stack)
         e.end = len(self.events) - 1
         for where, t in flatten(out):
             v = self._by_id.get(id(t))
@@ -268,86 +290,37 @@ class Recording:
 
 
 class _Mode(TorchFunctionMode):
-    def __init__(self, rec: Recording, by_name: bool = False):
-        super().__init__()
-        self.rec = rec
-        self.by_name = by_name
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.rec.written = set()
-        out = func(*args, **kwargs)
-        written, self.rec.written = self.rec.written, set()
-        if self.by_name:
-            name = _func_name(func)
-            if (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
-                written = {storage_key(t) for _, t in flatten(out)} - {None}
-        self.rec.on_function(func, args, kwargs, out, written)
-        return out
-
-
-_WRITES: dict = {}  # aten operator -> ((position or None, name), ...) of the arguments its schema marks written
-
-
-def _written_arguments(func) -> tuple:
-    spec = _WRITES.get(func)
-    if spec is None:
-        spec, position = [], 0
-        for a in func._schema.arguments:
-            if a.alias_info is not None and a.alias_info.is_write:
-                spec.append((None if a.kwarg_only else position, a.name))
-            if not a.kwarg_only:
-                position += 1
-        spec = _WRITES[func] = tuple(spec)
-    return spec
-
-
-class _Writes(TorchDispatchMode):
-    """Under the function mode: the storages each aten operator writes, from its schema's alias
-    annotations (`Tensor(a!)`), collected for the torch function that dispatched it."""
-
     def __init__(self, rec: Recording):
         super().__init__()
         self.rec = rec
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing is compiled here; without the wrapper each operator costs less
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for position, name in _written_arguments(func):
-            value = args[position] if position is not None and position < len(args) else kwargs.get(name)
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor):
-                    key = storage_key(t)
-                    if key is not None:
-                        self.rec.written.add(key)
-        return func(*args, **kwargs)
+        ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",)) if kwargs else flatten(args, ("arg",))
+        before = [_version(t) for _, t in ins]
+        out = func(*args, **kwargs)
+        self.rec.on_function(func, ins, args, kwargs, out, self.rec.written(ins, before, func))
+        return out
 
 
 @contextlib.contextmanager
-def record(root: nn.Module, prefix: str = "", writes: bool = True) -> Iterator[Recording]:
-    """Record every call of `root` and its submodules, and every torch function, inside the block.
-    `writes=False`: without the operators' write annotations (in-place by the call's name only), for
-    a check that has another one behind it for what the recording can't see (`black_box.py`)."""
+def record(root: nn.Module, prefix: str = "") -> Iterator[Recording]:
+    """Record every call of `root` and its submodules, and every torch function, inside the block."""
     paths: dict[int, str] = {}
+    modules = []
     for name, m in root.named_modules(remove_duplicate=True):
-        paths.setdefault(id(m), f"{prefix}.{name}" if prefix and name else (name or prefix))
+        paths[id(m)] = f"{prefix}.{name}" if prefix and name else (name or prefix)
+        modules.append(m)
     rec = Recording(paths)
     handles = []
-    seen: set[int] = set()
-    for m in root.modules():
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
+    for m in modules:
         # Appended (not prepended): the call is recorded with the arguments the module really gets,
         # after any hook (ours included) has rewritten them. nn.Module's own methods, so a deferred
         # norm's call site is recorded (its override hands hooks to the normalisation instead).
         handles.append(nn.Module.register_forward_pre_hook(m, lambda mod, a, kw: rec.enter_module(mod, a, kw), with_kwargs=True))
         handles.append(nn.Module.register_forward_hook(m, lambda mod, a, out: rec.exit_module(mod, out), always_call=True))
     try:
-        with (_Writes(rec) if writes else contextlib.nullcontext()), _Mode(rec, by_name=not writes):
+        with _Mode(rec):
             yield rec
     finally:
         for h in handles:
