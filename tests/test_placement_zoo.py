@@ -465,9 +465,9 @@ def test_llm_placements_are_reported(name, build, placement):
 
 def teardown_module(module):
     if RESULTS:
-        print("\nfamily                                 status           reference                  max rel. error")
+        print(f"\n{'family':52s} {'status':24s} {'reference':36s} max rel. error")
         for name, status, ref, err in RESULTS:
-            print(f"{name:38s} {status:16s} {ref:26s} {err:.1e}")
+            print(f"{name:52s} {status:24s} {ref:36s} {err:.1e}")
 
 
 @pytest.mark.parametrize("kind", ["Encoder", "Decoder"])

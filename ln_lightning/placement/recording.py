@@ -12,7 +12,8 @@ each one gets a `Value` node, so the recording is a data-flow graph:
 Which tensors a call writes is read from the write annotations of the aten operators it runs, not
 from its name: each argument an operator's schema marks `Tensor(a!)` has its version counter bumped
 (autograd's ADInplaceOrView kernels do it, under no_grad too), so an argument whose `_version`
-changed across the call was written: `buf[...] = x`, `torch.add(x, y, out=buf)`, `relu(x,
+changed across the call was written (an operator called directly, `torch.ops...`, is also read
+from its `_schema`): `buf[...] = x`, `torch.add(x, y, out=buf)`, `relu(x,
 inplace=True)` and a `torch.library` op with `mutates_args` all are. A write makes a new version of
 every recorded tensor on the written storage (a view's base, `x` under `x.data`), produced by the
 call that wrote it. A call
@@ -188,8 +189,16 @@ class Recording:
 
     @staticmethod
     def written(ins: list, before: list, func) -> set[int]:
-        """Storage keys of the arguments the call `func` wrote: those whose version counter moved."""
-        return {storage_key(t) for (_, t), v in zip(ins, before) if v is not None and _version(t) != v} - {None}
+        """Storage keys of the arguments the call `func` wrote: those whose version counter moved, and for
+        an operator called directly (`torch.ops...`, a `torch.library` op) those its schema marks written."""
+        out = {storage_key(t) for (_, t), v in zip(ins, before) if v is not None and _version(t) != v}
+        schema = getattr(func, "_schema", None)
+        if schema is not None:
+            marked = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+            names = {schema.arguments[i].name for i in marked}
+            out |= {storage_key(t) for where, t in ins
+                    if (where[0] == "arg" and where[1] in marked) or (where[0] == "kwarg" and where[1] in names)}
+        return out - {None}
 
     def on_function(self, func, ins, args, kwargs, out, written: set[int]) -> None:
         outs = flatten(out)
