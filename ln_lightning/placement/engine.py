@@ -471,6 +471,12 @@ def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict
     report.added.append(path)
     if not converted:
         report.notes.append(f"stack {stack.path} was already pre-norm; added its missing final norm {path}")
+    streams = getattr(stack.handlers[-1], "streams", [])
+    if len(streams) > 1:
+        report.notes.append(
+            f"stack {stack.path}: its blocks carry {len(streams)} streams ({', '.join(s.label for s in streams)}); the final norm "
+            f"{path} is on the first, {streams[0].label}, only"
+        )
 
 
 @contextlib.contextmanager

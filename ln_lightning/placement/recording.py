@@ -104,7 +104,8 @@ class Event:
 
     @property
     def is_add(self) -> bool:
-        return self.kind == "function" and self.name in _ADD_NAMES and len({v for _, v in self.inputs}) == 2
+        """A sum of two values (`out=` is where it is written, not a term)."""
+        return self.kind == "function" and self.name in _ADD_NAMES and len({v for w, v in self.inputs if w != ("kwarg", "out")}) == 2
 
     def input_value(self, where) -> int | None:
         return next((v for w, v in self.inputs if w == where), None)
