@@ -244,9 +244,12 @@ def _tally(spec, report) -> None:
     for i, blk in enumerate(spec["blocks"]):
         b = by_path.get(f"net.0.{i}" if spec["nested"] else f"blocks.{i}")
         result = "not read as a block" if b is None else (f"refused by {_refused_by(b.reason)}" if b.status == "skipped" else b.status)
+        block_level = [k for k in blk["kinds"] if k.startswith("blind:") and k != "blind:checkpoint"]
         for k in blk["kinds"]:
-            if k in BLIND:
-                TALLY[f"{k.partition(':')[0]} reads: block {result}"] += 1
+            if k.startswith("blind:"):  # a checkpointed module call is no blind read: it converts
+                TALLY[f"block-level {'checkpoint' if k == 'blind:checkpoint' else 'blind read'}: block {result}"] += 1
+            elif k.startswith("inner:") and not block_level:
+                TALLY[f"read inside a module (no block-level read in the block): block {result}"] += 1
     if currently_in_test_context():
         event(f"{status}: " + ", ".join(sorted({_refused_by(b.reason) for b in report.skipped})))
 

@@ -657,3 +657,23 @@ def test_a_meta_device_model_does_not_decide_a_norm_class_for_later_models():
         real.norm.weight.zero_()
     RecognisedNorm._cache.pop(norm_class, None)
     assert inspect_model(real).stacks[0].final_norm == "norm"
+
+
+def test_a_half_precision_block_called_by_keyword_is_checked_at_its_own_precision():
+    """The tolerance came from the first positional argument; a block called as `block(x=x)` was checked
+    at float32's 1e-5 in bfloat16 and refused (found by the property test's blind-read generator)."""
+
+    class ByKeyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([PostBlock(), PostBlock()])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x=x)
+            return x
+
+    torch.manual_seed(0)
+    model = _trained(ByKeyword()).to(torch.bfloat16)
+    report = convert(model, "pre", example_input=torch.randn(2, 5, D).to(torch.bfloat16))
+    assert [b.status for b in report.blocks] == ["converted"] * 2, str(report)

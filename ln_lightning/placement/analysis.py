@@ -8,6 +8,11 @@ A sublayer is found where the stream `s` meets a value `b` computed from it in a
     output    s' = s + N(F(s))             (OLMo 2)
     none      s' = s + F(s)
 
+Several values computed from `s` summed into it at once, in the block's own forward and in any
+order of adds, are one *parallel* sublayer (`s + A(N1 s) + M(N2 s)`, GPT-J to Cohere; see
+`PARALLEL` for what each placement does with it). Between sublayers the stream may be multiplied
+by a mask or have its tokens regrouped (`reshape(-1, d)`); both are followed.
+
 For a post-norm sublayer, the rewrite needs every place where the branch reads the stream: the
 outermost module calls inside the block that receive `s` as an argument and do not contain the
 residual add (the branch's *entries*: all of q, k and v; every argument position or keyword that

@@ -11,7 +11,9 @@ block must show, for every sublayer, with the stream `s` it receives:
 * the norm's call site passes that sum through unchanged, and it is the next sublayer's stream;
 * the block's output stream is the last sum.
 
-A rewrite that computes anything else fails one of these, whatever the hooks were told.
+The same for each stream a block carries (LiLT's text and layout). A rewrite that computes anything
+else fails one of these, whatever the hooks were told, as far as the recording sees the forward: what
+it can't see (a kernel called out of torch function handling) `black_box.py` checks.
 """
 
 from __future__ import annotations

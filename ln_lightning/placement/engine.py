@@ -1,9 +1,12 @@
 """`inspect_model` and `convert`: find the stacks of residual blocks, rewrite them, check, report.
 
-The parts: `discovery.py` finds blocks and reads them from a recorded forward; `final_norm.py`
-decides where a stack's final norm is or goes; `checks.py` checks each rewritten block against
-what its forward really does; `options.py` validates the options; `transaction.py` puts the
-model back exactly as it was when anything fails. This file runs them in order and reports.
+The parts: `discovery.py` finds blocks and reads them from a recorded forward (`recording.py`,
+`analysis.py`); `final_norm.py` decides where a stack's final norm is or goes; `checks.py` checks
+each rewritten block against what its recorded forward really does, and `black_box.py` against
+its original modules run as black boxes, which no recording's blind spot can fool; `isolation.py`
+refuses blocks that read state set outside their call; `options.py` validates the options;
+`transaction.py` puts the model back exactly as it was when anything fails. This file runs them
+in order and reports.
 """
 
 from __future__ import annotations
@@ -408,7 +411,8 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
     try:
         with eval_no_grad(h.block):
             err, y_after = h.check(*fresh(), placement)
-        tol = tolerance(args[0].dtype if args and isinstance(args[0], torch.Tensor) else torch.float32)
+        stream = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        tol = tolerance(stream.dtype if stream is not None else torch.float32)  # by keyword too
         if not (err <= tol):
             raise CheckFailed(f"output differs from the {placement}-norm formula by {err:.2e} (relative; tolerance {tol:.0e})")
         with eval_no_grad(h.block):
