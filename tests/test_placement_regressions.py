@@ -677,3 +677,29 @@ def test_a_half_precision_block_called_by_keyword_is_checked_at_its_own_precisio
     model = _trained(ByKeyword()).to(torch.bfloat16)
     report = convert(model, "pre", example_input=torch.randn(2, 5, D).to(torch.bfloat16))
     assert [b.status for b in report.blocks] == ["converted"] * 2, str(report)
+
+
+def test_the_black_box_reference_tells_the_blocks_errors_from_its_own(monkeypatch):
+    """A block whose forward fails on the reference's inputs is refused with that reason; an error in the
+    reference's own hooks is raised (a bug of ours is never reported as a skip)."""
+    from ln_lightning.placement import black_box
+
+    class Picky(PostBlock):
+        def forward(self, x):
+            if x.abs().max() < 4:  # LN(x) of the probe: the reference's input for the branch
+                raise ValueError("only raw inputs here")
+            return self.norm(x + self.f(x))
+
+    torch.manual_seed(0)
+    model = _trained(nn.ModuleList([Picky()]))
+    saved = _state(model)
+    report = convert(model, "pre", final_norm=False)
+    assert report.blocks[0].status == "skipped" and "only raw inputs here" in report.blocks[0].reason, str(report)
+    _assert_unchanged(model, saved)
+
+    def broken(self, k, f):
+        raise ZeroDivisionError("a bug in ln_lightning")
+
+    monkeypatch.setattr(black_box._Chain, "step", broken)
+    with pytest.raises(ZeroDivisionError):
+        convert(_trained(nn.ModuleList([PostBlock()])), "pre", final_norm=False)

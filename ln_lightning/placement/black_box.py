@@ -131,6 +131,22 @@ class _Chain:
         return self.s[k] + c * g
 
 
+class _Ours(Exception):
+    """Carries an exception raised inside one of this module's hooks out of the user's forward."""
+
+
+def _ours(hook):
+    """The hook, with its own errors told apart from the user's code around it."""
+
+    def run(*args, **kwargs):
+        try:
+            return hook(*args, **kwargs)
+        except Exception as e:
+            raise _Ours() from e
+
+    return run
+
+
 def _count(chain: _Chain, key) -> bool:
     chain.calls[key] = chain.calls.get(key, 0) + 1
     if chain.calls[key] > 1:
@@ -156,7 +172,7 @@ def _hooks_post(block: nn.Module, chain: _Chain, handles: list) -> None:
                 return None
             return feed(0, out.double(), out)
 
-        handles.append(nn.Module.register_forward_hook(block.get_submodule(where), source, prepend=True))
+        handles.append(nn.Module.register_forward_hook(block.get_submodule(where), _ours(source), prepend=True))
     else:
         def source(mod, args, kwargs):
             if not _count(chain, ("source", where)):
@@ -169,7 +185,7 @@ def _hooks_post(block: nn.Module, chain: _Chain, handles: list) -> None:
             # Every argument that is the stream gets it (Funnel passes it as query, key and value).
             return tuple(t if a is x else a for a in args), {k: (t if v is x else v) for k, v in kwargs.items()}
 
-        handles.append(nn.Module.register_forward_pre_hook(block, source, prepend=True, with_kwargs=True))
+        handles.append(nn.Module.register_forward_pre_hook(block, _ours(source), prepend=True, with_kwargs=True))
 
     for k, sub in enumerate(subs):
         captured: dict = {}
@@ -193,8 +209,8 @@ def _hooks_post(block: nn.Module, chain: _Chain, handles: list) -> None:
             chain.s.append(s_next)
             return s_next.to(out.dtype)  # the last stream: what the forward does after its last norm runs as written
 
-        handles.append(nn.Module.register_forward_pre_hook(sub.norm, capture))
-        handles.append(nn.Module.register_forward_hook(sub.norm, after, prepend=True))
+        handles.append(nn.Module.register_forward_pre_hook(sub.norm, _ours(capture)))
+        handles.append(nn.Module.register_forward_hook(sub.norm, _ours(after), prepend=True))
 
 
 def _hooks_pre(block: nn.Module, chain: _Chain, handles: list) -> None:
@@ -217,13 +233,13 @@ def _hooks_pre(block: nn.Module, chain: _Chain, handles: list) -> None:
                 return None
             return _apply(subs[k].into_branch, chain.s[k].to(out.dtype)).to(out.dtype)
 
-        handles.append(nn.Module.register_forward_pre_hook(sub.norm, before))
-        handles.append(nn.Module.register_forward_hook(sub.norm, after, prepend=True))
+        handles.append(nn.Module.register_forward_pre_hook(sub.norm, _ours(before)))
+        handles.append(nn.Module.register_forward_hook(sub.norm, _ours(after), prepend=True))
         if sub.written == "peri":
             def branch_out(mod, args, k=k):
                 chain.branch[k] = args[0].detach().clone()
 
-            handles.append(nn.Module.register_forward_pre_hook(sub.out_norm, branch_out))
+            handles.append(nn.Module.register_forward_pre_hook(sub.out_norm, _ours(branch_out)))
 
 
 def _branch_value(chain: _Chain, k: int, next_raw: torch.Tensor) -> torch.Tensor:
@@ -291,6 +307,10 @@ def reference_outputs(block: nn.Module, streams: list[ReferenceStream], args: tu
     try:
         with hooks.bypass():
             out = _run_in_float64(block, args, kwargs) if in_float64 else block(*args, **kwargs)
+    except _Ours as e:  # a bug of ours, not the block's: raised as it is
+        raise e.__cause__ from None
+    except Exception as e:  # noqa: BLE001 - the user's block refused the reference inputs: a reason to refuse it
+        raise CheckFailed(f"the block's original forward failed on the reference's inputs ({type(e).__name__}: {str(e)[:160]})") from None
     finally:
         for h in handles:
             h.remove()
