@@ -212,6 +212,13 @@ def _argument_name(block: nn.Module, where: tuple | None) -> str:
         return f"argument {where[1]}"
 
 
+def _submodule(block: nn.Module, rel: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(rel) if rel else block
+    except AttributeError:
+        return None
+
+
 def _other_streams(rec: Recording, call, s_in: int | None, s_out: int | None) -> list[tuple]:
     """(where it enters, where it leaves, sublayers) for each further stream the block carries: an
     argument that reaches one of its outputs through residual sublayers (LiLT's layout stream)."""
@@ -253,6 +260,9 @@ def _observed_handler(block: nn.Module, path: str, rec: Recording, call) -> Hook
         sep = " + " if o.parallel else " > "
         branch = sep.join(_relative(b, path) for b in o.branch.split(sep)) if o.branch != "(functions)" else o.branch
         name = plan.entries[0].module if plan is not None and plan.entries else (branch.split(sep)[0] if o.branch != "(functions)" else f"sublayer{o.index}")
+        if o.parallel and o.branch != "(functions)":  # named after its branches: "attn+mlp"
+            parts = [b for b in branch.split(sep) if not isinstance(_submodule(block, b), norm_types())]
+            name = "+".join(parts) or name
         if j:
             name = f"{streams[j].label}.{name}"  # one namespace for the added modules of every stream
         subs.append(HookedSublayer(name, o.placement, rel(o.norm), branch, plan, o.reason, rel(o.out_norm), j, o.parallel))
