@@ -40,12 +40,15 @@ def _one_thread():
     # Probes are tiny: a thread pool costs more than it saves, and far more on a busy machine. The
     # cyclic garbage collector waits too: a recording holds thousands of objects (none in cycles),
     # which each of its passes would walk again (a quarter of a 96-block recording's time).
+    # Probes run eagerly: a torch.compile'd model or submodule would otherwise have Dynamo trace the
+    # recording's TorchFunctionMode, which it gets wrong (`Tensor.device` came back a torch.Size).
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     collecting = gc.isenabled()
     gc.disable()
     try:
-        yield
+        with torch.compiler.set_stance("force_eager"):
+            yield
     finally:
         torch.set_num_threads(n)
         if collecting:
