@@ -325,3 +325,40 @@ def test_load_converted_reads_with_weights_only_and_names_the_opt_out(tmp_path, 
     torch.save(saved, plain)
     load_converted(_HparamLM(), plain)
     assert seen == [True]
+
+
+class _TwoOptimizersManual(LM):
+    """Manual optimisation, two optimizers (model parameters split in two), and every third batch steps neither
+    (it accumulates): the optimizer steps are then neither the batch index nor global_step."""
+
+    def __init__(self):
+        super().__init__("demo")
+        self.automatic_optimization = False
+        self.batches = 0  # the loader has one batch per epoch: batch_idx is always 0
+
+    def configure_optimizers(self):
+        params = list(self.parameters())
+        return torch.optim.SGD(params[::2], lr=1e-3), torch.optim.SGD(params[1::2], lr=1e-3)
+
+    def training_step(self, b, batch_idx):
+        loss = self._loss(b)
+        self.manual_backward(loss)
+        if self.batches % 3 != 2:
+            for opt in self.optimizers():
+                opt.step()
+                opt.zero_grad()
+        self.batches += 1
+
+
+def test_the_transition_advances_once_per_batch_that_steps_under_manual_optimisation_with_two_optimizers():
+    clock = BlendRecorder()
+    module = _TwoOptimizersManual()
+    t = Trainer(accelerator="cpu", devices=1, max_epochs=6, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
+                plugins=[LNPlacement("pre", transition_steps=4, fused=False, log_report=False)], callbacks=[clock])
+    t.fit(module, train_dataloaders=loader())
+    # Batches 0, 1, 3, 4 step (both optimizers: one step of the transition each); 2 and 5 step neither (Lightning's
+    # batches-that-stepped counter counts every batch under manual optimisation, so it can't be the clock here).
+    assert clock.blends == [0.0, 0.25, 0.5, 0.5, 0.75, None]  # k/N after k stepping batches; ended at the 4th
+    assert t.global_step == 8  # Lightning counts each optimizer's step: the transition must not
+    assert transition.active(module) is None and transition.leftovers(module) == []
