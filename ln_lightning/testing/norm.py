@@ -79,6 +79,13 @@ def run_with_grads(x, r, w, b, gy, gh, fn):
     return y, h, grads_by_name
 
 
+def separate_stream(case: Case) -> bool:
+    """Whether the fused op returns a new residual stream distinct from ``x`` (one that receives its own
+    downstream gradient): with a residual, or with ``residual_in_fp32`` for a half ``x`` (its float32 copy).
+    The float64 reference must then add that gradient into ``dx`` too, although its ``x`` is float64 already."""
+    return case.residual or (case.residual_in_fp32 and case.dtype not in (torch.float32, torch.float64))
+
+
 def errors(case: Case, backend: Optional[str], exact_constant_rows: bool = False) -> dict[str, tuple[float, float, float]]:
     """{quantity: (our error, torch's error, max |reference|)} against the float64
 :func:`layer_norm_formula`.
@@ -96,14 +103,14 @@ def errors(case: Case, backend: Optional[str], exact_constant_rows: bool = False
 
     def torch_pipeline(x, r, w, b):
         if case.residual_in_fp32:
-            h = x.float() + (r.float() if r is not None else 0)
+            h = x.float() + r.float() if r is not None else x.float()  # x itself when it is float32
             y = F.layer_norm(h, shape, None if w is None else w.float(), None if b is None else b.float(), eps)
             return y.to(x.dtype), h
         h = x + r if r is not None else x
         return F.layer_norm(h, shape, w, b, eps), h
 
     def reference(x, r, w, b):
-        h = x + r if r is not None else x
+        h = x + r if r is not None else (x.clone() if separate_stream(case) else x)
         return layer_norm_formula(h, shape, w, b, eps), h
 
     def f64(t):
