@@ -202,3 +202,54 @@ def assert_fixed_order_two_stage_reduction(backward: Callable[[slice], tuple], r
     for i in range(1, len(full)):
         assert torch.equal(full[i], torch.stack([part[i] for part in parts]).sum(0)), f"reduced gradient {i}"
         assert not torch.equal(serial[i], full[i]), f"reduced gradient {i}: this data cannot tell the orders apart"
+
+
+# The widths at which a norm's input gradient has no part perpendicular to the normalised row (RMSNorm: 1;
+# LayerNorm: 2, once the mean is removed), so the textbook backward's cancellation along that row is all
+# there is (issue 23). There the derivative has a closed form, dx = eps * (s + eps)**-1.5 * g with s = h**2
+# (LayerNorm: s = d**2, d = (h[1] - h[0]) / 2, and g - mean(g) for g), about 1e-15 to 1e3 times g across
+# NARROW_MAGNITUDES; a float32 `1 - x_hat**2` cannot resolve it (torch's own error reaches 100%: at magnitude
+# 100, x_hat**2 rounds to 1), nor can float64 autograd from magnitude 1e3 on (1 - x_hat**2 = 1e-11, known to
+# 2e-16), which is why the reference is the closed form.
+NARROW_WIDTH = {"rms": 1, "ln": 2}
+NARROW_MAGNITUDES = (1e-3, 1e-2, 0.03, 0.1, 0.3, 1.0, 2.0, 10.0, 100.0, 1e3)
+
+
+def narrow_rows(kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``(h, weight, dy)``: one row of width ``NARROW_WIDTH[kind]`` per magnitude and sign (RMSNorm:
+    ``[±m]``; LayerNorm: ``c ± [-m/2, m/2]`` around a random centre ``c``). ``dy`` is bfloat16-exact, so that
+    every dtype's kernel receives the same upstream gradient."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.tensor(NARROW_MAGNITUDES, dtype=torch.float64).repeat(2) * torch.tensor([1.0, -1.0]).repeat_interleave(len(NARROW_MAGNITUDES))
+    if kind == "rms":
+        h = m.unsqueeze(-1)
+    else:
+        c = 3 * torch.randn(len(m), 1, generator=g, dtype=torch.float64)
+        h = c + torch.stack([-m / 2, m / 2], -1)
+    w = 1 + 0.5 * torch.randn(h.shape[-1], generator=g, dtype=torch.float64)
+    dy = torch.randn(h.shape, generator=g, dtype=torch.float64).bfloat16().double()
+    return h, w, dy
+
+
+def narrow_rows_reference(kind: str, h: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
+    """The closed-form float64 input gradient of :func:`narrow_rows`' rows (see ``NARROW_WIDTH``)."""
+    g = dy * w
+    if kind == "rms":
+        return eps * (h.square() + eps) ** -1.5 * g
+    d = (h[:, 1:] - h[:, :1]) / 2
+    return eps * (d.square() + eps) ** -1.5 * (g - g.mean(-1, keepdim=True))
+
+
+def assert_narrow_rows_accurate(kind: str, grad: Callable, dtype: torch.dtype, rel_tol: float, eps: float = 1e-5) -> None:
+    """``grad(h, weight, dy) -> dh`` (``h`` and ``dy`` in ``dtype``, ``weight`` float32) must give every row of
+    :func:`narrow_rows` within ``rel_tol`` of the exact derivative at the same rounded inputs, relative to that
+    row's own magnitude (the rows span 18 orders of magnitude), plus the dtype's smallest normal number (float16
+    cannot hold the smallest of them)."""
+    h64, w64, dy64 = narrow_rows(kind)
+    h, w, dy = h64.to(dtype), w64.float(), dy64.to(dtype)
+    got = grad(h, w, dy).double()
+    want = narrow_rows_reference(kind, h.double(), w.double(), dy.double(), eps)
+    allowed = rel_tol * want.abs().amax(-1) + torch.finfo(dtype).smallest_normal
+    err = (got - want).abs().amax(-1)
+    bad = [(h64[i].tolist(), f"{(err[i] / want[i].abs().max()).item():.1e}") for i in range(len(err)) if not err[i] <= allowed[i]]
+    assert not bad, f"{kind} width {h.shape[-1]} {dtype}: rows (h, relative dx error) beyond {rel_tol:.0e}: {bad}"
