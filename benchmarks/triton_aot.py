@@ -242,7 +242,7 @@ def layer_norm_backward_cases(full: bool) -> Iterator[Case]:
                     stored = h.numel() > 0
                     dy = torch.empty_like(y)
                     dres = torch.empty_like(h) if stored else None
-                    _, launch = ops.plan_backward(dy, dres, h if stored else x, mean, rstd, w, b, grads, grads)
+                    _, launch = ops.plan_backward(dy, dres, h if stored else x, mean, rstd, w, b, grads, grads, 1e-5)
                     tag = "" if grads else " frozen"
                     if kind != "aligned":
                         tag += f" [{kind} width]"
@@ -358,7 +358,7 @@ def rms_norm_backward_cases(full: bool) -> Iterator[Case]:
                     stored = h.numel() > 0
                     dy = torch.empty_like(y)
                     dres = torch.empty_like(h) if stored else None
-                    _, launch = ops.plan_backward(dy, dres, h if stored else x, rstd, w, call["offset"], grads)
+                    _, launch = ops.plan_backward(dy, dres, h if stored else x, rstd, w, call["offset"], grads, 1e-6)
                     tag = "" if grads else " frozen"
                     if kind != "aligned":
                         tag += f" [{kind} width]"

@@ -3,8 +3,14 @@
 A leaf module (standard library only), so the class can be imported, filtered or raised without
 importing Lightning or torch::
 
-    python -W error::ln_lightning.LNLightningWarning -m pytest     # every package warning is an error
+    warnings.filterwarnings("error", category=LNLightningWarning)   # every package warning is an error
     warnings.filterwarnings("ignore", category=LNLightningWarning)  # or silence them all
+    python -m pytest -W error::ln_lightning.LNLightningWarning      # pytest resolves the category itself
+    filterwarnings = ["error::ln_lightning.LNLightningWarning"]     # the same in [tool.pytest.ini_options]
+
+The interpreter's own ``python -W error::ln_lightning.LNLightningWarning`` (or ``PYTHONWARNINGS``) does not work
+for an installed package: CPython resolves ``-W`` categories at startup, before site-packages is importable,
+and ignores the option ("Invalid -W option ignored: invalid module name: 'ln_lightning'").
 
 Example:
     >>> import warnings
@@ -32,9 +38,10 @@ class LNLightningWarning(UserWarning):
     """The category of every warning ln_lightning emits (a :class:`UserWarning` subclass).
 
     Filter on it to silence the package's warnings, or to turn them into errors, without touching
-    other libraries' warnings: ``python -W error::ln_lightning.LNLightningWarning``, or
-    ``warnings.filterwarnings("error", category=LNLightningWarning)``. Being a ``UserWarning``,
-    it is shown by default, and existing filters on ``UserWarning`` still apply to it.
+    other libraries' warnings: ``warnings.filterwarnings("error", category=LNLightningWarning)``, or
+    under pytest ``-W error::ln_lightning.LNLightningWarning`` / the ``filterwarnings`` ini option (not
+    the interpreter's ``python -W``, which cannot import the package at startup: see the module docstring).
+    Being a ``UserWarning``, it is shown by default, and existing filters on ``UserWarning`` still apply to it.
     """
 
     __module__ = "ln_lightning"

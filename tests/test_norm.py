@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 from _helpers_norm_cases import cases
-from ln_lightning.testing.norm import Case, assert_rows_independent, assert_within_torch_error, layer_norm_formula
+from ln_lightning.testing.norm import (
+    Case, assert_narrow_rows_accurate, assert_rows_independent, assert_within_torch_error, layer_norm_formula,
+)
 from ln_lightning.norm import (
     FusedAddLayerNorm,
     FusedLayerNorm,
@@ -161,6 +163,39 @@ def test_aten_fallback_within_torch_error(case, aten_kernels, monkeypatch):
     assert_within_torch_error(case, backend="torch")
 
 
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+def test_the_narrow_rows_reference_is_their_derivative(kind):
+    # The closed form the width-1/width-2 tests compare against equals float64 autograd of the textbook formula
+    # wherever float64 autograd itself resolves 1 - x_hat**2 (magnitudes up to 10: to 1e-9).
+    from ln_lightning.testing.norm import NARROW_MAGNITUDES, narrow_rows, narrow_rows_reference
+
+    h, w, dy = narrow_rows(kind)
+    hh = h.clone().requires_grad_()
+    if kind == "rms":
+        y = hh * torch.rsqrt(hh.square().mean(-1, keepdim=True) + 1e-5) * w
+    else:
+        y = layer_norm_formula(hh, (2,), w, None, 1e-5)
+    (autograd,) = torch.autograd.grad(y, hh, dy)
+    closed = narrow_rows_reference(kind, h, w, dy, 1e-5)
+    rel = (autograd - closed).abs().amax(-1) / closed.abs().amax(-1)
+    small = torch.tensor([m <= 10 for m in NARROW_MAGNITUDES] * 2)
+    assert rel[small].max() < 1e-8, rel
+
+
+def test_compiled_cpu_kernels_width_two_backward_does_not_cancel(compiled_backward_calls):
+    # Width 2: g - mean(g) lies along x_hat, and dx = eps * rstd**3 * (g - mean(g)), which the textbook form
+    # loses to cancellation (issue 23; aten's own kernel does, being torch). A float32 stream (bfloat16 x plus a
+    # float32 residual) keeps the kernel's float32 result: every row within its own rounding.
+    def grad(h, w, dy):
+        r = h.float().clone().requires_grad_()
+        x = torch.zeros_like(h, dtype=torch.bfloat16)
+        y, _, _, _ = _torch_ops.add_layer_norm_eager(x, r, w, None, 1e-5, False, False)
+        return torch.autograd.grad(y, r, dy.bfloat16())[0]
+
+    assert_narrow_rows_accurate("ln", grad, torch.float32, rel_tol=1e-5)
+    assert compiled_backward_calls
+
+
 def test_compiled_cpu_kernels_weight_gradient_is_float32_accurate(monkeypatch):
     # aten's bfloat16 CPU kernel loses most of the weight gradient's precision over many rows;
     # the compiled kernel accumulates in float32. Independent reference: float64 autograd on the
@@ -226,7 +261,7 @@ def test_compiled_cpu_kernels_reject_bad_layouts_instead_of_reading_past_them():
         mod.add_layer_norm_fwd(x.float(), None, None, None, 1e-5, False)
     y, h, mean, rstd = mod.add_layer_norm_fwd(x, x, None, None, 1e-5, False)
     with pytest.raises(RuntimeError, match="mean and rstd must be contiguous float32 of 4"):
-        mod.add_layer_norm_bwd(y, None, h, mean[:2], rstd, None, False, False)
+        mod.add_layer_norm_bwd(y, None, h, mean[:2], rstd, None, False, False, 1e-5)
 
 
 def test_compiled_cpu_kernels_are_deterministic_across_thread_counts(monkeypatch):

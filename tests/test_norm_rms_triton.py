@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _helpers_norm_cases import rms_cases  # noqa: E402
-from ln_lightning.testing.norm import Case, assert_fixed_order_two_stage_reduction  # noqa: E402
+from ln_lightning.testing.norm import Case, assert_fixed_order_two_stage_reduction, assert_narrow_rows_accurate  # noqa: E402
 from ln_lightning.testing.norm_rms import RMSCase, assert_rows_independent, assert_within_torch_error  # noqa: E402
 from ln_lightning.norm import FusedRMSNorm, _backend, fused_add_rms_norm  # noqa: E402
 
@@ -90,6 +90,7 @@ def test_kernels_match_float64_within_twice_torch_error(case, monkeypatch):
         RMSCase(Case(3, 8193, torch.bfloat16, True, "full", 0.0, 1, True, 5), "t5", False),  # blocked, odd tail
         RMSCase(Case(2, 9000, torch.float32, True, "no_bias", 1e4, 1, False, 6), "llama", True),
         RMSCase(Case(1, 65536, torch.bfloat16, True, "full", 0.0, 0, False, 7), "fp32", True),  # widest
+        RMSCase(Case(8, 1, torch.float32, True, "none", 0.0, 0, True, 2053611722), "llama", True),  # issue 23
     ],
     ids=lambda c: f"{c.base.rows}x{c.base.hidden}-{str(c.base.dtype)[6:]}-{c.cast_order}",
 )
@@ -97,6 +98,20 @@ def test_kernel_edge_cases(case, monkeypatch):
     calls = _spy(monkeypatch)
     assert_within_torch_error(case, backend="triton")
     assert calls
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_width_one_backward_does_not_cancel(dtype):
+    # As for the torch backend (test_norm_rms.py): every row of width 1 within its own rounding.
+    from ln_lightning.norm import _triton_rms
+
+    def grad(h, w, dy):
+        x = h.clone().requires_grad_()
+        y, _, _ = _triton_rms.triton_add_rms_norm_eager(x, None, w, 1e-5, False, 0.0, "fp32")
+        return torch.autograd.grad(y, x, dy)[0]
+
+    assert_narrow_rows_accurate("rms", grad, dtype, rel_tol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @needs_interpreter
@@ -120,7 +135,7 @@ def test_weight_grads_are_a_fixed_order_two_stage_reduction(hidden):
     _, h, rstd = _triton_rms.triton_add_rms_norm_impl(x, r, w, 1e-6, False, 1.0, "fp32")
 
     def backward(rows_):
-        return _triton_rms.triton_add_rms_norm_backward_impl(dy[rows_], dres[rows_], h[rows_], rstd[rows_], w, 1.0, True)
+        return _triton_rms.triton_add_rms_norm_backward_impl(dy[rows_], dres[rows_], h[rows_], rstd[rows_], w, 1.0, True, 1e-6)
 
     one_program = lambda: unittest.mock.patch.object(_triton_rms, "_num_programs", lambda rows, device: 1)
     assert_fixed_order_two_stage_reduction(backward, rows, _triton_rms._num_programs(rows, x.device), one_program)

@@ -13,9 +13,7 @@ from __future__ import annotations
 import ast
 import importlib
 import json
-import os
 import re
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import ln_lightning
+from _helpers_venv import clean_env as _clean_env, run as _run
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ln_lightning"
@@ -132,21 +131,6 @@ def test_shipped_files():
     assert _pyproject()["project"]["license"] == "Apache-2.0"
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     assert "## [Unreleased]" in changelog and f"## [{ln_lightning.__version__}]" in changelog
-
-
-def _clean_env(venv: Path | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONSTARTUP")}
-    if venv is not None:
-        env["VIRTUAL_ENV"] = str(venv)
-        env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-6000:]}"
-    return r
 
 
 @pytest.mark.slow

@@ -8,10 +8,11 @@ Each backend registers two ``torch.library`` ops with the same schema:
     :func:`stores_residual` is false (the caller then returns ``x`` itself: an op output may not
     alias an input). ``mean``/``rstd``: (rows,), float32 (float64 for float64 input); they are
     private to the backend's own backward (the Triton backend stores the mean of ``h - h[:, 0]``).
-``bwd(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad) -> (dh, dweight, dbias)``
+``bwd(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad, eps) -> (dh, dweight, dbias)``
     ``h`` is the normalised input (``residual_out``, or ``x``); ``dresidual`` the gradient arriving
     at ``residual_out`` from downstream, added into ``dh`` inside the same pass. Unrequested
-    ``dweight``/``dbias`` come back as empty placeholders.
+    ``dweight``/``dbias`` come back as empty placeholders. Our own kernels (the compiled CPU ones,
+    Triton) evaluate ``dh`` in the form of :data:`BACKWARD_FORM`, which needs ``eps``; aten's does not.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ from typing import Optional
 import torch
 
 REDUCED = (torch.float16, torch.bfloat16)
+
+# How our LayerNorm kernels evaluate the input gradient, g = dy * w. The textbook
+# rstd * (g - mean(g) - x_hat * mean(g * x_hat)) multiplies g's component along x_hat by
+# 1 - mean(x_hat**2) = eps * rstd**2 but computes it as a difference of nearly equal terms; at width 2,
+# where g - mean(g) lies entirely along x_hat, that is all there is (the RMSNorm form at width 1, see
+# _rms_common.BACKWARD_FORM). With q = sum(g * x_hat) / sum(x_hat**2) (0 for a constant row) and
+# t = eps * rstd**2:
+#     dh = rstd * ((g - mean(g) - q * x_hat) + t * q * x_hat)
+# and at width 2, dh = rstd * t * (g - mean(g)).
+BACKWARD_FORM = "rstd * ((g - mean(g) - q * x_hat) + eps * rstd**2 * q * x_hat)"
 
 
 def residual_dtype(x: torch.Tensor, residual: Optional[torch.Tensor], residual_in_fp32: bool) -> torch.dtype:
@@ -48,8 +59,9 @@ def stat_dtype(compute: torch.dtype) -> torch.dtype:
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, _eps, residual_in_fp32, _y_fp32 = inputs
+    x, residual, weight, bias, eps, residual_in_fp32, _y_fp32 = inputs
     _y, residual_out, mean, rstd = output
+    ctx.eps = eps
     ctx.stored = stores_residual(x, residual, residual_in_fp32)
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
@@ -71,7 +83,7 @@ def _backward(bwd, ctx, dy, dresidual):
         dh, dweight, dbias = bwd(
             dy.contiguous(),
             None if dresidual is None else dresidual.contiguous(),
-            h, mean, rstd, weight, bias, need_w, need_b,
+            h, mean, rstd, weight, bias, need_w, need_b, ctx.eps,
         )
     dx = (dh if dh.dtype == ctx.x_dtype else dh.to(ctx.x_dtype)) if need_x else None
     dr = None
@@ -129,7 +141,7 @@ def fake_forward(x, residual, weight, bias, eps, residual_in_fp32, y_fp32):
     )
 
 
-def fake_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad):
+def fake_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad, eps):
     dw = torch.empty_like(weight) if (need_weight_grad and weight is not None) else h.new_empty(0)
     db = torch.empty_like(bias) if (need_bias_grad and bias is not None) else h.new_empty(0)
     return torch.empty_like(h), dw, db

@@ -8,12 +8,15 @@ Each backend registers two ``torch.library`` ops with the same schema:
     :func:`~._common.residual_dtype`, or an empty placeholder when nothing is stored).
     ``rstd``: (rows,) ``1 / sqrt(mean(h**2) + eps)``, float32 (float64 for float64 input).
     ``y = cast_order(h * rstd) * (offset + weight)``, see :data:`CAST_ORDERS`.
-``bwd(dy, dresidual, h, rstd, weight, offset, need_weight_grad) -> (dh, dweight)``
+``bwd(dy, dresidual, h, rstd, weight, offset, need_weight_grad, eps) -> (dh, dweight)``
     ``dh = rstd * (g - n * mean(g * n)) + dresidual`` with ``n = h * rstd`` and
     ``g = dy * (offset + weight)``; ``dweight = sum_rows(dy * n)`` (float32 accumulation), or an
     empty placeholder. The weight gradient uses ``n`` before any cast-order rounding: the
     rounding's derivative is 1 (as autograd treats ``.to()``), and the unrounded sum is the more
     accurate one.
+
+    Every backend evaluates ``dh`` without that formula's cancellation (:data:`BACKWARD_FORM`), which is
+    why it needs ``eps``.
 
 Unlike the LayerNorm ops' mean, ``rstd`` means the same thing on every backend and kernel, so a
 forward on one and a backward on another would still agree.
@@ -34,6 +37,17 @@ from ._common import REDUCED, residual_dtype, stores_residual
 # (n = h * rstd, computed in float32 or float64.) The product is taken in float32 and rounded
 # once: for half operands that equals PyTorch's own half multiply.
 CAST_ORDERS = ("fp32", "llama", "t5")
+
+# How every backend evaluates the input gradient (the compiled CPU kernel, the aten composition and the
+# Triton kernels write out this same form). The textbook rstd * (g - n * mean(g * n)) multiplies g's
+# component along n by 1 - mean(n**2) = eps * rstd**2, but computes that factor as the difference of two
+# nearly equal terms: at width 1 it is g * (1 - n**2) with 1 - n**2 = 2.5e-6 at h = 2 (eps 1e-5), and a
+# float32 n**2 is only known to 6e-8, so dh carried a relative error of percents (6.0e-6 against torch's
+# 1.1e-6 in issue 23). Split into the part of g perpendicular to n and the part along it, with
+# q = sum(g * n) / sum(n * n) (0 for a zero row) and t = eps * rstd**2, exact to rounding:
+#     dh = rstd * ((g - q * n) + t * q * n)
+# and at width 1, where g has no perpendicular part, dh = rstd * t * g.
+BACKWARD_FORM = "rstd * ((g - q * n) + eps * rstd**2 * q * n)"
 
 
 def check_cast(cast: str) -> str:
@@ -67,12 +81,13 @@ def compute_dtype(h_dtype: torch.dtype) -> torch.dtype:
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, _eps, residual_in_fp32, offset, _cast = inputs
+    x, residual, weight, eps, residual_in_fp32, offset, _cast = inputs
     _y, residual_out, rstd = output
     ctx.stored = stores_residual(x, residual, residual_in_fp32)
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.offset = offset
+    ctx.eps = eps
     ctx.save_for_backward(residual_out if ctx.stored else x, weight, rstd)
 
 
@@ -90,7 +105,7 @@ def _backward(bwd, ctx, dy, dresidual):
     else:
         dh, dweight = bwd(
             dy.contiguous(), None if dresidual is None else dresidual.contiguous(),
-            h, rstd, weight, ctx.offset, need_w,
+            h, rstd, weight, ctx.offset, need_w, ctx.eps,
         )
     dx = (dh if dh.dtype == ctx.x_dtype else dh.to(ctx.x_dtype)) if need_x else None
     dr = None
@@ -140,6 +155,6 @@ def fake_forward(x, residual, weight, eps, residual_in_fp32, offset, cast):
     return x.new_empty(x.shape, dtype=ydt), res_out, x.new_empty(x.shape[0], dtype=sdt)
 
 
-def fake_backward(dy, dresidual, h, rstd, weight, offset, need_weight_grad):
+def fake_backward(dy, dresidual, h, rstd, weight, offset, need_weight_grad, eps):
     dw = torch.empty_like(weight) if (need_weight_grad and weight is not None) else h.new_empty(0)
     return torch.empty_like(h), dw

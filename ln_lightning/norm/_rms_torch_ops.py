@@ -77,17 +77,25 @@ def add_rms_norm_backward_impl(
     weight: Optional[Tensor],
     offset: float,
     need_weight_grad: bool,
+    eps: float,
 ) -> tuple[Tensor, Tensor]:
     need_w = need_weight_grad and weight is not None
     if _cpu_rms_kernels.usable_backward(dy, h, None):
-        return _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w)
+        return _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w, eps)
     cdt = torch.promote_types(_rms_common.compute_dtype(h.dtype), dy.dtype)
     hc = h if h.dtype == cdt else h.to(cdt)
     r = rstd.to(cdt).unsqueeze(-1)
     n = hc * r
     dyc = dy if dy.dtype == cdt else dy.to(cdt)
     g = dyc if weight is None else dyc * (weight.to(cdt) + offset)
-    dh = r * (g - n * (g * n).mean(-1, keepdim=True))
+    # _rms_common.BACKWARD_FORM, without the textbook form's cancellation (no host sync: where, not if)
+    t = r.square().mul_(eps)
+    if h.shape[-1] == 1:  # no part of g perpendicular to n
+        dh = g * t.mul_(r)
+    else:
+        snn = n.square().sum(-1, keepdim=True)
+        q = (g * n).sum(-1, keepdim=True).div_(torch.where(snn > 0, snn, 1))
+        dh = torch.addcmul(g, q, n, value=-1).addcmul_(t.mul_(q), n).mul_(r)
     dh = dh if dh.dtype == h.dtype else dh.to(h.dtype)
     if dresidual is not None:
         dh.add_(dresidual)  # fused residual-gradient accumulation: no extra tensor
@@ -105,10 +113,10 @@ def _compiled_forward(x, residual, weight, eps, rdt, offset, round_normed):
     ))
 
 
-def _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w):
+def _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w, eps):
     w = None if weight is None else weight.float().contiguous()
     dh, dw = _cpu_rms_kernels.KERNELS.module().add_rms_norm_bwd(
-        dy, dresidual, h, rstd, w, float(offset), False, need_w
+        dy, dresidual, h, rstd, w, float(offset), False, need_w, float(eps)
     )
     return dh, (dw.to(weight.dtype) if need_w else h.new_empty(0))
 

@@ -79,9 +79,10 @@ def add_layer_norm_backward_impl(
     bias: Optional[Tensor],
     need_weight_grad: bool,
     need_bias_grad: bool,
+    eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if _cpu_kernels.usable_backward(dy, h):
-        return _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad)
+        return _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad, eps)
     cdt = torch.promote_types(h.dtype, dy.dtype)
     w, b, native_stat_dtype = _params(weight, bias, cdt)
     need_w = need_weight_grad and weight is not None
@@ -111,11 +112,12 @@ def _compiled_forward(x, residual, weight, bias, eps, rdt):
     ))
 
 
-def _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad):
+def _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad, eps):
     need_w = need_weight_grad and weight is not None
     need_b = need_bias_grad and bias is not None
     dh, dw, db = _cpu_kernels.KERNELS.module().add_layer_norm_bwd(
-        dy, dresidual, h, mean, rstd, None if weight is None else weight.float().contiguous(), need_w, need_b
+        dy, dresidual, h, mean, rstd, None if weight is None else weight.float().contiguous(), need_w, need_b,
+        float(eps),
     )
     dw = dw.to(weight.dtype) if need_w else h.new_empty(0)
     db = db.to(bias.dtype) if need_b else h.new_empty(0)

@@ -166,7 +166,7 @@ def _fwd_kernel(
 def _bwd_kernel(
     DY, DRES, H, W, MEAN, RSTD, DH, DW_PART, DB_PART,
     stride_dy, stride_dres, stride_h, stride_dh,
-    M, N, rows_per_program,
+    M, N, eps, rows_per_program,
     HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
@@ -199,9 +199,13 @@ def _bwd_kernel(
                 dw_acc += dy * xhat
             if NEED_DB:
                 db_acc += dy
-            c1 = tl.sum(xhat * wdy, axis=0) / N
+            # _common.BACKWARD_FORM: dh = rstd * ((g - c2 - q x_hat) + t q x_hat), no cancellation along x_hat
+            sxx = tl.sum(xhat * xhat, axis=0)
+            q = tl.sum(xhat * wdy, axis=0) / tl.where(sxx > 0, sxx, 1.0)
             c2 = tl.sum(wdy, axis=0) / N
-            dh = (wdy - (xhat * c1 + c2)) * rstd
+            t = eps * rstd * rstd
+            # width 2: g - c2 is all along x_hat (a constant row has t = 1)
+            dh = tl.where(N == 2, (rstd * t) * (wdy - c2), (((wdy - c2) - q * xhat) + (t * q) * xhat) * rstd)
             if HAS_DRES:
                 dh += dres
             tl.store(DH + r64 * stride_dh + cols, _cast(dh, DH.dtype.element_ty), mask=mask)
@@ -218,6 +222,7 @@ def _bwd_kernel(
             rstd = tl.load(RSTD + r64).to(tl.float32)
             acc1 = tl.zeros((), dtype=tl.float32)
             acc2 = tl.zeros((), dtype=tl.float32)
+            acc3 = tl.zeros((), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 c = start + cols
                 mask = c < N
@@ -230,8 +235,11 @@ def _bwd_kernel(
                     wdy = dy
                 acc1 += tl.sum(xhat * wdy, axis=0)
                 acc2 += tl.sum(wdy, axis=0)
-            c1 = acc1 / N
+                acc3 += tl.sum(xhat * xhat, axis=0)
+            # as in the single-block branch (rows this wide always have a perpendicular part)
+            q = acc1 / tl.where(acc3 > 0, acc3, 1.0)
             c2 = acc2 / N
+            tq = eps * rstd * rstd * q
             for start in range(0, N, BLOCK_N):
                 c = start + cols
                 mask = c < N
@@ -242,7 +250,7 @@ def _bwd_kernel(
                     wdy = dy * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
                 else:
                     wdy = dy
-                dh = (wdy - (xhat * c1 + c2)) * rstd
+                dh = (((wdy - c2) - q * xhat) + tq * xhat) * rstd
                 if HAS_DRES:
                     dh += tl.load(DRES + r64 * stride_dres + c, mask=mask, other=0.0).to(tl.float32)
                 tl.store(DH + r64 * stride_dh + c, _cast(dh, DH.dtype.element_ty), mask=mask)
@@ -399,6 +407,7 @@ def plan_backward(
     bias: Optional[Tensor],
     need_weight_grad: bool,
     need_bias_grad: bool,
+    eps: float,
 ) -> tuple[tuple[Tensor, Tensor, Tensor], Optional[KernelLaunch]]:
     """The backward's ``(dh, dweight_partials, dbias_partials)`` (allocated, not yet written) and
     its kernel launch (``None`` when there are no rows)."""
@@ -420,7 +429,7 @@ def plan_backward(
         dy, dres_arg, h, weight if weight is not None else h.new_empty(0), mean, rstd,
         dh, dw_part, db_part,
         dy.stride(0), n, h.stride(0), dh.stride(0),
-        rows, n, rows_per_program,
+        rows, n, float(eps), rows_per_program,
     )
     constexprs = dict(
         HAS_DRES=dresidual is not None, HAS_WEIGHT=weight is not None,
@@ -440,9 +449,10 @@ def triton_add_layer_norm_backward_impl(
     bias: Optional[Tensor],
     need_weight_grad: bool,
     need_bias_grad: bool,
+    eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     (dh, dw_part, db_part), launch = plan_backward(
-        dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad
+        dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad, eps
     )
     if launch is not None:
         wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs())

@@ -108,7 +108,7 @@ def _rms_fwd_kernel(
 def _rms_bwd_kernel(
     DY, DRES, H, W, RSTD, DH, DW_PART,
     stride_dy, stride_dres, stride_h, stride_dh,
-    M, N, rows_per_program, offset,
+    M, N, eps, rows_per_program, offset,
     HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
@@ -136,8 +136,11 @@ def _rms_bwd_kernel(
                 g = dy
             if NEED_DW:
                 dw_acc += dy * n
-            c = tl.sum(g * n, axis=0) / N
-            dh = (g - n * c) * rstd
+            # _rms_common.BACKWARD_FORM: dh = rstd * ((g - q n) + t q n), no cancellation along n
+            snn = tl.sum(n * n, axis=0)
+            q = tl.sum(g * n, axis=0) / tl.where(snn > 0, snn, 1.0)
+            t = eps * rstd * rstd
+            dh = tl.where(N == 1, (rstd * t) * g, ((g - q * n) + (t * q) * n) * rstd)  # width 1: all along n
             if HAS_DRES:
                 dh += dres
             tl.store(DH + r64 * stride_dh + cols, _cast(dh, DH.dtype.element_ty), mask=mask)
@@ -149,15 +152,20 @@ def _rms_bwd_kernel(
             r64 = row
             rstd = tl.load(RSTD + r64).to(tl.float32)
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc_nn = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 c = start + cols
                 mask = c < N
-                h = tl.load(H + r64 * stride_h + c, mask=mask, other=0.0).to(tl.float32)
+                n = tl.load(H + r64 * stride_h + c, mask=mask, other=0.0).to(tl.float32) * rstd
                 g = tl.load(DY + r64 * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
                 if HAS_WEIGHT:
                     g = g * (tl.load(W + c, mask=mask, other=0.0).to(tl.float32) + offset)
-                acc += g * (h * rstd)
-            coef = tl.sum(acc, axis=0) / N
+                acc += g * n
+                acc_nn += n * n
+            # as in the single-block branch (rows this wide always have a perpendicular part)
+            snn = tl.sum(acc_nn, axis=0)
+            q = tl.sum(acc, axis=0) / tl.where(snn > 0, snn, 1.0)
+            tq = eps * rstd * rstd * q
             for start in range(0, N, BLOCK_N):
                 c = start + cols
                 mask = c < N
@@ -167,7 +175,7 @@ def _rms_bwd_kernel(
                     g = dy * (tl.load(W + c, mask=mask, other=0.0).to(tl.float32) + offset)
                 else:
                     g = dy
-                dh = (g - n * coef) * rstd
+                dh = ((g - q * n) + tq * n) * rstd
                 if HAS_DRES:
                     dh += tl.load(DRES + r64 * stride_dres + c, mask=mask, other=0.0).to(tl.float32)
                 tl.store(DH + r64 * stride_dh + c, _cast(dh, DH.dtype.element_ty), mask=mask)
@@ -293,6 +301,7 @@ def plan_backward(
     weight: Optional[Tensor],
     offset: float,
     need_weight_grad: bool,
+    eps: float,
 ) -> tuple[tuple[Tensor, Tensor], Optional[KernelLaunch]]:
     """The backward's ``(dh, dweight_partials)`` (allocated, not yet written) and its kernel launch
     (``None`` when there are no rows)."""
@@ -310,7 +319,7 @@ def plan_backward(
     args = (
         dy, dres_arg, h, weight if weight is not None else h.new_empty(0), rstd, dh, dw_part,
         dy.stride(0), n, h.stride(0), dh.stride(0),
-        rows, n, triton.cdiv(rows, programs), float(offset),
+        rows, n, float(eps), triton.cdiv(rows, programs), float(offset),
     )
     constexprs = dict(
         HAS_DRES=dresidual is not None, HAS_WEIGHT=weight is not None, NEED_DW=need_w,
@@ -327,8 +336,9 @@ def triton_add_rms_norm_backward_impl(
     weight: Optional[Tensor],
     offset: float,
     need_weight_grad: bool,
+    eps: float,
 ) -> tuple[Tensor, Tensor]:
-    (dh, dw_part), launch = plan_backward(dy, dresidual, h, rstd, weight, offset, need_weight_grad)
+    (dh, dw_part), launch = plan_backward(dy, dresidual, h, rstd, weight, offset, need_weight_grad, eps)
     if launch is not None:
         wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs())
     else:  # no rows: the partials must read as zero

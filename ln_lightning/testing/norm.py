@@ -79,6 +79,13 @@ def run_with_grads(x, r, w, b, gy, gh, fn):
     return y, h, grads_by_name
 
 
+def separate_stream(case: Case) -> bool:
+    """Whether the fused op returns a new residual stream distinct from ``x`` (one that receives its own
+    downstream gradient): with a residual, or with ``residual_in_fp32`` for a half ``x`` (its float32 copy).
+    The float64 reference must then add that gradient into ``dx`` too, although its ``x`` is float64 already."""
+    return case.residual or (case.residual_in_fp32 and case.dtype not in (torch.float32, torch.float64))
+
+
 def errors(case: Case, backend: Optional[str], exact_constant_rows: bool = False) -> dict[str, tuple[float, float, float]]:
     """{quantity: (our error, torch's error, max |reference|)} against the float64
 :func:`layer_norm_formula`.
@@ -96,14 +103,14 @@ def errors(case: Case, backend: Optional[str], exact_constant_rows: bool = False
 
     def torch_pipeline(x, r, w, b):
         if case.residual_in_fp32:
-            h = x.float() + (r.float() if r is not None else 0)
+            h = x.float() + r.float() if r is not None else x.float()  # x itself when it is float32
             y = F.layer_norm(h, shape, None if w is None else w.float(), None if b is None else b.float(), eps)
             return y.to(x.dtype), h
         h = x + r if r is not None else x
         return F.layer_norm(h, shape, w, b, eps), h
 
     def reference(x, r, w, b):
-        h = x + r if r is not None else x
+        h = x + r if r is not None else (x.clone() if separate_stream(case) else x)
         return layer_norm_formula(h, shape, w, b, eps), h
 
     def f64(t):
@@ -195,3 +202,54 @@ def assert_fixed_order_two_stage_reduction(backward: Callable[[slice], tuple], r
     for i in range(1, len(full)):
         assert torch.equal(full[i], torch.stack([part[i] for part in parts]).sum(0)), f"reduced gradient {i}"
         assert not torch.equal(serial[i], full[i]), f"reduced gradient {i}: this data cannot tell the orders apart"
+
+
+# The widths at which a norm's input gradient has no part perpendicular to the normalised row (RMSNorm: 1;
+# LayerNorm: 2, once the mean is removed), so the textbook backward's cancellation along that row is all
+# there is (issue 23). There the derivative has a closed form, dx = eps * (s + eps)**-1.5 * g with s = h**2
+# (LayerNorm: s = d**2, d = (h[1] - h[0]) / 2, and g - mean(g) for g), about 1e-15 to 1e3 times g across
+# NARROW_MAGNITUDES; a float32 `1 - x_hat**2` cannot resolve it (torch's own error reaches 100%: at magnitude
+# 100, x_hat**2 rounds to 1), nor can float64 autograd from magnitude 1e3 on (1 - x_hat**2 = 1e-11, known to
+# 2e-16), which is why the reference is the closed form.
+NARROW_WIDTH = {"rms": 1, "ln": 2}
+NARROW_MAGNITUDES = (1e-3, 1e-2, 0.03, 0.1, 0.3, 1.0, 2.0, 10.0, 100.0, 1e3)
+
+
+def narrow_rows(kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``(h, weight, dy)``: one row of width ``NARROW_WIDTH[kind]`` per magnitude and sign (RMSNorm:
+    ``[±m]``; LayerNorm: ``c ± [-m/2, m/2]`` around a random centre ``c``). ``dy`` is bfloat16-exact, so that
+    every dtype's kernel receives the same upstream gradient."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.tensor(NARROW_MAGNITUDES, dtype=torch.float64).repeat(2) * torch.tensor([1.0, -1.0]).repeat_interleave(len(NARROW_MAGNITUDES))
+    if kind == "rms":
+        h = m.unsqueeze(-1)
+    else:
+        c = 3 * torch.randn(len(m), 1, generator=g, dtype=torch.float64)
+        h = c + torch.stack([-m / 2, m / 2], -1)
+    w = 1 + 0.5 * torch.randn(h.shape[-1], generator=g, dtype=torch.float64)
+    dy = torch.randn(h.shape, generator=g, dtype=torch.float64).bfloat16().double()
+    return h, w, dy
+
+
+def narrow_rows_reference(kind: str, h: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
+    """The closed-form float64 input gradient of :func:`narrow_rows`' rows (see ``NARROW_WIDTH``)."""
+    g = dy * w
+    if kind == "rms":
+        return eps * (h.square() + eps) ** -1.5 * g
+    d = (h[:, 1:] - h[:, :1]) / 2
+    return eps * (d.square() + eps) ** -1.5 * (g - g.mean(-1, keepdim=True))
+
+
+def assert_narrow_rows_accurate(kind: str, grad: Callable, dtype: torch.dtype, rel_tol: float, eps: float = 1e-5) -> None:
+    """``grad(h, weight, dy) -> dh`` (``h`` and ``dy`` in ``dtype``, ``weight`` float32) must give every row of
+    :func:`narrow_rows` within ``rel_tol`` of the exact derivative at the same rounded inputs, relative to that
+    row's own magnitude (the rows span 18 orders of magnitude), plus the dtype's smallest normal number (float16
+    cannot hold the smallest of them)."""
+    h64, w64, dy64 = narrow_rows(kind)
+    h, w, dy = h64.to(dtype), w64.float(), dy64.to(dtype)
+    got = grad(h, w, dy).double()
+    want = narrow_rows_reference(kind, h.double(), w.double(), dy.double(), eps)
+    allowed = rel_tol * want.abs().amax(-1) + torch.finfo(dtype).smallest_normal
+    err = (got - want).abs().amax(-1)
+    bad = [(h64[i].tolist(), f"{(err[i] / want[i].abs().max()).item():.1e}") for i in range(len(err)) if not err[i] <= allowed[i]]
+    assert not bad, f"{kind} width {h.shape[-1]} {dtype}: rows (h, relative dx error) beyond {rel_tol:.0e}: {bad}"

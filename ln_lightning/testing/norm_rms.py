@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ln_lightning.norm import fused_add_rms_norm
-from ln_lightning.testing.norm import Case, run_with_grads, slack
+from ln_lightning.testing.norm import Case, run_with_grads, separate_stream, slack
 
 EPS = 1e-5
 
@@ -63,13 +63,13 @@ def errors(case: RMSCase, backend: Optional[str], device=None) -> dict[str, tupl
 
     def torch_pipeline(x, r, w, _b):
         if c.residual_in_fp32:
-            h = x.float() + (r.float() if r is not None else 0)
+            h = x.float() + r.float() if r is not None else x.float()  # x itself when it is float32
         else:
             h = x + r if r is not None else x
         return torch_formula(h, w, offset, case.cast_order, x.dtype), h
 
     def reference(x, r, w, _b):
-        h = x + r if r is not None else x
+        h = x + r if r is not None else (x.clone() if separate_stream(c) else x)
         n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
         return (n if w is None else n * (offset + w)), h
 

@@ -9,6 +9,13 @@
 // independent of the thread count). Statistics are float32, taken of (h - h[0]) per row so that
 // a constant row normalises to exact zeros and large offsets do not cancel.
 //
+// The input gradient, dh = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, is computed
+// as its orthogonal parts, dh = rstd * ((g - mean(g) - q x_hat) + t q x_hat) with
+// q = sum(g x_hat) / sum(x_hat^2) and t = eps * rstd^2 (= 1 - mean(x_hat^2) exactly): the textbook form
+// takes g's component along x_hat times 1 - mean(x_hat^2) as a difference of nearly equal terms, which
+// cancels at width 2 (where g - mean(g) is all along x_hat) and whenever g lies near x_hat. At width 2
+// the perpendicular part is 0 in exact arithmetic, and dh = rstd * t * (g - mean(g)).
+//
 // Layout contract (checked on the Python side, _cpu_kernels.usable_forward/usable_backward):
 // 2-D contiguous (rows, n) tensors, n >= 1; x and dy bfloat16; residual bfloat16 or float32; h and
 // dresidual bfloat16 or float32 (float32 when the stream is kept in float32); weight and bias
@@ -50,6 +57,16 @@ inline float fold(const float* acc) {
   float s = 0.f;
   for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
   return s;
+}
+
+// The same sum as a tree (8 + 4 + 2 + 1 adds, vectorisable): the backward folds two or three accumulators per
+// row before it can start its last pass, and at narrow widths the serial fold's latency was a visible share.
+inline float fold_tree(const float* acc) {
+  float t[kLanes / 2];
+  for (int64_t l = 0; l < kLanes / 2; ++l) t[l] = acc[l] + acc[l + kLanes / 2];
+  for (int64_t w = kLanes / 4; w >= 1; w /= 2)
+    for (int64_t l = 0; l < w; ++l) t[l] += t[l + w];
+  return t[0];
 }
 
 template <typename T, typename R, typename H>
@@ -115,12 +132,11 @@ void forward_rows(const T* __restrict__ x, const R* __restrict__ res, H* __restr
 template <typename T, typename H>
 void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* __restrict__ dres, H* __restrict__ dh,
                    const float* __restrict__ w, const float* mean, const float* rstd, float* dw_part, float* db_part,
-                   int64_t blocks, int64_t rows, int64_t n) {
+                   int64_t blocks, int64_t rows, int64_t n, float eps) {
   const int64_t nv = n - n % kLanes;
   at::parallel_for(0, blocks, 1, [&](int64_t bbegin, int64_t bend) {
-    std::vector<float> buf(2 * n);
-    float* __restrict__ xh = buf.data();
-    float* __restrict__ g = xh + n;
+    std::vector<float> buf(n);
+    float* __restrict__ xh = buf.data();  // g = dy * w is recomputed where it is used: cheaper than storing it
     for (int64_t blk = bbegin; blk < bend; ++blk) {
       const int64_t r0 = rows * blk / blocks, r1 = rows * (blk + 1) / blocks;
       float* __restrict__ dwp = dw_part ? dw_part + blk * n : nullptr;
@@ -129,30 +145,36 @@ void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* _
         const T* __restrict__ dyr = dy + r * n;
         const H* __restrict__ hr = h + r * n;
         const float shift = ld(hr, 0), m = mean[r], rs = rstd[r];
-        float acc_a[kLanes] = {0}, acc_c[kLanes] = {0};
+        auto gv = [&](int64_t j) { return w ? ld(dyr, j) * w[j] : ld(dyr, j); };
+        float acc_a[kLanes] = {0}, acc_c[kLanes] = {0}, acc_x[kLanes] = {0};
         for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
           for (int64_t l = 0; l < kLanes; ++l) {
             const int64_t j = j0 + l;
-            const float xv = ((ld(hr, j) - shift) - m) * rs, d = ld(dyr, j), gv = w ? d * w[j] : d;
+            const float xv = ((ld(hr, j) - shift) - m) * rs, g = gv(j);
             xh[j] = xv;
-            g[j] = gv;
-            acc_a[l] += gv;
-            acc_c[l] += gv * xv;
+            acc_a[l] += g;
+            acc_c[l] += g * xv;
+            acc_x[l] += xv * xv;
           }
         for (int64_t j = nv; j < n; ++j) {
-          const float xv = ((ld(hr, j) - shift) - m) * rs, d = ld(dyr, j), gv = w ? d * w[j] : d;
-          xh[j] = xv; g[j] = gv; acc_a[0] += gv; acc_c[0] += gv * xv;
+          const float xv = ((ld(hr, j) - shift) - m) * rs, g = gv(j);
+          xh[j] = xv; acc_a[0] += g; acc_c[0] += g * xv; acc_x[0] += xv * xv;
+        }
+        // dh = rs * ((g - a - q x_hat) + t q x_hat): see the header. A constant row has q = 0.
+        const float sxx = fold_tree(acc_x);
+        const float a = fold_tree(acc_a) / n, q = sxx > 0.f ? fold_tree(acc_c) / sxx : 0.f, t = eps * rs * rs, tq = t * q;
+        H* __restrict__ dhr = dh + r * n;
+        const H* __restrict__ drr = dres ? dres + r * n : nullptr;
+        if (n == 2) {  // g - a is all along x_hat (or, for a constant row, t = 1)
+          const float rt = rs * t;
+          for (int64_t j = 0; j < 2; ++j) st(dhr, j, drr ? rt * (gv(j) - a) + ld(drr, j) : rt * (gv(j) - a));
+        } else if (drr) {
+          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * ((gv(j) - a - q * xh[j]) + tq * xh[j]) + ld(drr, j));
+        } else {
+          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * ((gv(j) - a - q * xh[j]) + tq * xh[j]));
         }
         if (dwp) for (int64_t j = 0; j < n; ++j) dwp[j] += ld(dyr, j) * xh[j];
         if (dbp) for (int64_t j = 0; j < n; ++j) dbp[j] += ld(dyr, j);
-        const float a = fold(acc_a) / n, c = fold(acc_c) / n;
-        H* __restrict__ dhr = dh + r * n;
-        if (dres) {
-          const H* __restrict__ drr = dres + r * n;
-          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (g[j] - a - xh[j] * c) + ld(drr, j));
-        } else {
-          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (g[j] - a - xh[j] * c));
-        }
       }
     }
   });
@@ -225,7 +247,7 @@ std::vector<at::Tensor> add_layer_norm_fwd(const at::Tensor& x, const c10::optio
 std::vector<at::Tensor> add_layer_norm_bwd(const at::Tensor& dy, const c10::optional<at::Tensor>& dresidual,
                                            const at::Tensor& h, const at::Tensor& mean, const at::Tensor& rstd,
                                            const c10::optional<at::Tensor>& weight, bool need_weight_grad,
-                                           bool need_bias_grad) {
+                                           bool need_bias_grad, double eps) {
   TORCH_CHECK(h.dim() == 2 && h.size(1) > 0, "ln_lightning CPU kernel: h must be (rows, n) with n >= 1");
   TORCH_CHECK(dy.scalar_type() == at::kBFloat16, "ln_lightning CPU kernel: dy must be bfloat16, got ", dy.scalar_type());
   const int64_t rows = h.size(0), n = h.size(1);
@@ -251,7 +273,7 @@ std::vector<at::Tensor> add_layer_norm_bwd(const at::Tensor& dy, const c10::opti
     using H = decltype(h_tag);
     backward_rows<BF16, H>(dy.data_ptr<BF16>(), h.data_ptr<H>(), optional_ptr<H>(dresidual), dh.data_ptr<H>(), w,
                            mean.data_ptr<float>(), rstd.data_ptr<float>(), ptr<float>(dw_part), ptr<float>(db_part),
-                           blocks, rows, n);
+                           blocks, rows, n, static_cast<float>(eps));
   });
   auto sum_blocks = [&](const at::Tensor& part) {
     if (!part.numel()) return part;

@@ -8,6 +8,14 @@
 // pass, with the weight gradient accumulated in float32 per fixed block of rows and summed in
 // block order (deterministic, independent of the thread count). Statistics are float32.
 //
+// The input gradient, dh = rstd * (g - n * mean(g * n)) with n = h * rstd and g = dy * (offset + w),
+// is computed as its two orthogonal parts, dh = rstd * ((g - q n) + t q n), q = sum(g n) / sum(n n),
+// t = eps * rstd^2 (= 1 - mean(n^2) exactly). The textbook form cancels: along n it computes g's
+// component times 1 - mean(n^2) as a difference of two nearly equal terms, which loses everything
+// when the row is narrow (width 1: g * (1 - n^2), 1 - n^2 = eps / (h^2 + eps), 2.5e-6 at h = 2) or
+// g lies near n. Here that factor is t, exact to rounding; at width 1 there is no perpendicular
+// part (g - q n is 0 in exact arithmetic) and dh = rstd * t * g.
+//
 // round_normed: round h * rstd to the input dtype before the weight multiply (HF LlamaRMSNorm's
 // cast order `weight * hidden.to(input_dtype)`); otherwise the product is taken in float32 and
 // rounded once (nn.RMSNorm, Gemma, OLMo 2).
@@ -50,6 +58,16 @@ inline float fold(const float* acc) {
   float s = 0.f;
   for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
   return s;
+}
+
+// The same sum as a tree (8 + 4 + 2 + 1 adds, vectorisable): the backward folds two or three accumulators per
+// row before it can start its last pass, and at narrow widths the serial fold's latency was a visible share.
+inline float fold_tree(const float* acc) {
+  float t[kLanes / 2];
+  for (int64_t l = 0; l < kLanes / 2; ++l) t[l] = acc[l] + acc[l + kLanes / 2];
+  for (int64_t w = kLanes / 4; w >= 1; w /= 2)
+    for (int64_t l = 0; l < w; ++l) t[l] += t[l + w];
+  return t[0];
 }
 
 template <typename T, typename R, typename H>
@@ -109,16 +127,15 @@ void forward_rows(const T* __restrict__ x, const R* __restrict__ res, H* __restr
 template <typename T, typename H>
 void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* __restrict__ dres, H* __restrict__ dh,
                    const float* __restrict__ w, float offset, bool round_normed, const float* rstd,
-                   float* dw_part, int64_t blocks, int64_t rows, int64_t n) {
+                   float* dw_part, int64_t blocks, int64_t rows, int64_t n, float eps) {
   const int64_t nv = n - n % kLanes;
   // Small calls run on one thread (see forward_rows). The result does not depend on it: the
   // blocks, not the threads, fix the summation order.
   const int64_t grain = std::max<int64_t>(1, blocks * kSerialElems / std::max<int64_t>(1, rows * n));
   at::parallel_for(0, blocks, grain, [&](int64_t bbegin, int64_t bend) {
-    std::vector<float> buf(3 * n);
+    std::vector<float> buf(2 * n);
     float* __restrict__ xh = buf.data();
-    float* __restrict__ g = xh + n;
-    float* __restrict__ weff = g + n;
+    float* __restrict__ weff = xh + n;  // g = dy * weff is recomputed where it is used: cheaper than storing it
     for (int64_t j = 0; j < n; ++j) weff[j] = offset + (w ? w[j] : 1.f - offset);
     for (int64_t blk = bbegin; blk < bend; ++blk) {
       const int64_t r0 = rows * blk / blocks, r1 = rows * (blk + 1) / blocks;
@@ -127,31 +144,36 @@ void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* _
         const T* __restrict__ dyr = dy + r * n;
         const H* __restrict__ hr = h + r * n;
         const float rs = rstd[r];
-        float acc_c[kLanes] = {0};
+        float acc_c[kLanes] = {0}, acc_n[kLanes] = {0};
         for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
           for (int64_t l = 0; l < kLanes; ++l) {
             const int64_t j = j0 + l;
-            const float xv = ld(hr, j) * rs, gv = ld(dyr, j) * weff[j];
+            const float xv = ld(hr, j) * rs;
             xh[j] = xv;
-            g[j] = gv;
-            acc_c[l] += gv * xv;
+            acc_c[l] += (ld(dyr, j) * weff[j]) * xv;
+            acc_n[l] += xv * xv;
           }
         for (int64_t j = nv; j < n; ++j) {
-          const float xv = ld(hr, j) * rs, gv = ld(dyr, j) * weff[j];
-          xh[j] = xv; g[j] = gv; acc_c[0] += gv * xv;
+          const float xv = ld(hr, j) * rs;
+          xh[j] = xv; acc_c[0] += (ld(dyr, j) * weff[j]) * xv; acc_n[0] += xv * xv;
+        }
+        // dh = rs * ((g - q n) + t q n): see the header. A zero row (snn = 0) has q = 0: dh = rs * g.
+        const float snn = fold_tree(acc_n);
+        const float q = snn > 0.f ? fold_tree(acc_c) / snn : 0.f, t = eps * rs * rs, tq = t * q;
+        H* __restrict__ dhr = dh + r * n;
+        const H* __restrict__ drr = dres ? dres + r * n : nullptr;
+        if (n == 1) {  // the row spans the space: g is all along n
+          const float v = rs * t * (ld(dyr, 0) * weff[0]);
+          st(dhr, 0, drr ? v + ld(drr, 0) : v);
+        } else if (drr) {
+          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (((ld(dyr, j) * weff[j]) - q * xh[j]) + tq * xh[j]) + ld(drr, j));
+        } else {
+          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (((ld(dyr, j) * weff[j]) - q * xh[j]) + tq * xh[j]));
         }
         // The weight saw the normalised value as the forward used it (rounded, for Llama's order).
         if (dwp) {
           if (round_normed) { for (int64_t j = 0; j < n; ++j) dwp[j] += ld(dyr, j) * round_as<T>(xh[j]); }
           else { for (int64_t j = 0; j < n; ++j) dwp[j] += ld(dyr, j) * xh[j]; }
-        }
-        const float c = fold(acc_c) / n;
-        H* __restrict__ dhr = dh + r * n;
-        if (dres) {
-          const H* __restrict__ drr = dres + r * n;
-          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (g[j] - xh[j] * c) + ld(drr, j));
-        } else {
-          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (g[j] - xh[j] * c));
         }
       }
     }
@@ -228,7 +250,7 @@ std::vector<at::Tensor> add_rms_norm_fwd(const at::Tensor& x, const c10::optiona
 std::vector<at::Tensor> add_rms_norm_bwd(const at::Tensor& dy, const c10::optional<at::Tensor>& dresidual,
                                          const at::Tensor& h, const at::Tensor& rstd,
                                          const c10::optional<at::Tensor>& weight, double offset, bool round_normed,
-                                         bool need_weight_grad) {
+                                         bool need_weight_grad, double eps) {
   TORCH_CHECK(h.dim() == 2 && h.size(1) > 0, "ln_lightning CPU RMSNorm kernel: h must be (rows, n) with n >= 1");
   const int64_t rows = h.size(0), n = h.size(1);
   check_rows(dy, "dy", rows, n);
@@ -255,7 +277,8 @@ std::vector<at::Tensor> add_rms_norm_bwd(const at::Tensor& dy, const c10::option
       using H = decltype(h_tag);
       backward_rows<T, H>(dy.data_ptr<T>(), h.data_ptr<H>(), optional_ptr<H>(dresidual), dh.data_ptr<H>(), w,
                           static_cast<float>(offset), round_normed, rstd.data_ptr<float>(),
-                          need_weight_grad ? dw_part.data_ptr<float>() : nullptr, blocks, rows, n);
+                          need_weight_grad ? dw_part.data_ptr<float>() : nullptr, blocks, rows, n,
+                          static_cast<float>(eps));
     });
   });
   if (!need_weight_grad) return {dh, dw_part};
