@@ -35,6 +35,7 @@ def test_endpoint_steps_train_at_one_and_hold_the_schedule():
         assert plan.held(i) == i / 400
         assert plan.trained(i) == (1.0 if i in hits else i / 400)
     assert not any(plan.is_endpoint_step(i) for i in range(400, 500))  # none after the transition
+    assert not BlendPlan(10, endpoint_fraction=1.0).is_endpoint_step(0)  # the first step trains the trained function
 
 
 def test_endpoint_steps_are_a_function_of_the_step_only():

@@ -2,8 +2,8 @@
 
 `BlendPlan` answers, for the i-th optimizer step of a transition, the blend the model *holds* (what an
 evaluation or a checkpoint between steps sees) and the blend that step *trains* at. They differ on
-*endpoint steps*: a fixed fraction of the transition's steps, picked by a hash of the step index, train at
-a = 1. Measured on a trained 12-layer post-norm LM (examples/migrate_trained.py), a model trained only at
+*endpoint steps*: a fixed fraction of the transition's steps (never the first), picked by a hash of the step
+index, train at a = 1. Measured on a trained 12-layer post-norm LM (examples/migrate_trained.py), a model trained only at
 the blend it holds leans on the part of the function the blend is about to remove: the held-out loss rises
 at the transition's end whatever its length or shape, and more for longer transitions or a higher learning
 rate. Endpoint steps train the function the transition ends at, at no extra cost.
@@ -117,7 +117,8 @@ class BlendPlan:
         return self.speed(t)
 
     def is_endpoint_step(self, i: int) -> bool:
-        return i < self.steps and endpoint_step(i, self.endpoint_fraction, self.salt)
+        # never the first step: it trains at the trained function, as the transition promises
+        return 1 <= i < self.steps and endpoint_step(i, self.endpoint_fraction, self.salt)
 
     def trained(self, i: int) -> float:
         return 1.0 if self.is_endpoint_step(i) else self.held(i)
