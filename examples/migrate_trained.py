@@ -136,6 +136,9 @@ def methods(hp: dict) -> dict:
         "scaled_linear_endpoint_half": Migration(T, scaled=True, endpoint_fraction=0.5),
         "scaled_long_endpoint": Migration(long, scaled=True, endpoint_fraction=0.5),
         "scaled_long_endpoint_distill": Migration(long, scaled=True, endpoint_fraction=0.25, distill=1.0),
+        # the other placements (issue 20: the default must work for them too)
+        "mix_scaled_endpoint": Migration(T, scaled=True, endpoint_fraction=0.25, placement="mix"),
+        "peri_scaled_endpoint": Migration(T, scaled=True, endpoint_fraction=0.25, placement="peri"),
     }
 
 

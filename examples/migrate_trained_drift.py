@@ -13,13 +13,14 @@ import torch
 from torch.nn import functional as F
 
 from ln_lightning.placement import transition
-from migrate_trained_methods import StreamScaledBlend, converted_scales, kl_to_teacher, measure_scales
+from migrate_trained_methods import StreamScaledBlend, converted_scales, init_output_norms, kl_to_teacher, measure_scales
 
 VARIANTS = {"plain, trained final norm": dict(scaled=False, fresh=False),
             "plain, fresh final norm": dict(scaled=False, fresh=True),
             "stream-scaled": dict(scaled=True, fresh=False),
             # the other placements a transition can end at (plain blend; "mix" also stream-scaled)
             "peri, plain": dict(scaled=False, fresh=False, placement="peri"),
+            "peri, stream-scaled": dict(scaled=True, fresh=False, placement="peri"),
             "output, plain": dict(scaled=False, fresh=False, placement="output"),
             "mix, plain": dict(scaled=False, fresh=False, placement="mix"),
             "mix, stream-scaled": dict(scaled=True, fresh=False, placement="mix")}
@@ -36,9 +37,11 @@ def begin_variant(lm, probe_x, scaled: bool, fresh: bool, placement: str = "pre"
     scales = sites = None
     if scaled:
         sites, ratios, _ = measure_scales(lm, probe_x)
-    report = transition.begin(lm, placement, branch_scale=1.0 if scaled else None)
+    report = transition.begin(lm, placement, branch_scale=1.0 if scaled and placement in ("pre", "mix") else None)
     if scaled:
         sites, scales = converted_scales(lm, report, sites, ratios)
+        if placement == "peri":
+            init_output_norms(lm, sites, scales, probe_x)
     if fresh:
         with torch.no_grad():
             for p in report.added:

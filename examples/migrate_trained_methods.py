@@ -69,6 +69,15 @@ class _ScaledSite:
         return (1 - b) * (_scale(a, self.stream_scale.to(h.dtype)) * y) + b * h
 
 
+class _ScaledOutput(transition.BlendNormalizeBranchOutput):
+    """Peri's exit: (1-b) * D * v + b * N_out(v), D = (1-a) + a*C_k; N_out's gain starts at C_k times the trained
+    branch output's std (`init_output_norms`), so at a = 1 the branch writes what the pre-norm endpoint writes."""
+
+    def normalized(self, value):
+        a, b = self.transition.a(value), self.own.a(value)
+        return (1 - b) * (_scale(a, self.stream_scale.to(value.dtype)) * value) + b * hooks.NormalizeBranchOutput.normalized(self, value)
+
+
 class _ScaledFinal(transition.BlendFinalNorm):
     """Added final norm: (1-b) * s / D + b * N_f(s), D = (1-a) + a*C_K."""
 
@@ -116,7 +125,7 @@ class StreamScaledBlend:
         # staggered: one blend per sublayer, and the final norm's (the last); else all are the transition's
         self.own = [SublayerBlend(torch.zeros((), device=dev)) for _ in range(len(sites) + 1)] if staggered else None
         own = (lambda k: self.own[k]) if staggered else (lambda k: t)
-        self.patched_inputs, self.patched_sites, self.patched_final = [], [], []
+        self.patched_inputs, self.patched_sites, self.patched_final, self.patched_outputs = [], [], [], []
         for m in model.modules():
             for h in m._forward_pre_hooks.values():
                 if type(h) is transition.BlendNormalizeBranchInput:
@@ -126,6 +135,9 @@ class StreamScaledBlend:
                     for e in m._forward_hooks.values():  # the same branch's exit: its scale ramps to C_k
                         if isinstance(e, transition.BlendScaleBranchOutput):
                             e.scale.c.fill_(float(scales[k]))
+                        elif type(e) is transition.BlendNormalizeBranchOutput:  # peri's added output norm
+                            e.__class__, e.stream_scale, e.own = _ScaledOutput, self.c[k], own(k)
+                            self.patched_outputs.append(e)
             for h in m._forward_hooks.values():
                 if type(h) is transition.BlendFinalNorm:
                     h.__class__, h.stream_scale, h.own = _ScaledFinal, self.c[len(sites)], own(len(sites))
@@ -154,9 +166,44 @@ class StreamScaledBlend:
         for h in self.patched_final:
             h.__class__ = transition.BlendFinalNorm
             del h.stream_scale, h.own
+        for h in self.patched_outputs:
+            h.__class__ = transition.BlendNormalizeBranchOutput
+            del h.stream_scale, h.own
         for m in self.patched_sites:
             m.__dict__[ATTR] = self.t
-        self.patched_inputs, self.patched_sites, self.patched_final = [], [], []
+        self.patched_inputs, self.patched_sites, self.patched_final, self.patched_outputs = [], [], [], []
+
+
+@torch.no_grad()
+def init_output_norms(model: nn.Module, sites: list[nn.Module], scales: list[float], batch_x: torch.Tensor) -> None:
+    """Peri: each added output norm's gain = C_k x the std of its branch's trained output (measured at a = 0 on
+    `batch_x`), bias 0: at a = 1 the branch then writes about C_k times what it wrote in the trained model."""
+    t = transition.active(model)
+    index = {id(n): k for k, n in enumerate(sites)}
+    exits, stds, handles = [], {}, []
+    for m in model.modules():
+        entry = next((h for h in m._forward_pre_hooks.values() if isinstance(h, transition.BlendNormalizeBranchInput)), None)
+        out = next((h for h in m._forward_hooks.values() if isinstance(h, transition.BlendNormalizeBranchOutput)), None)
+        if entry is not None and out is not None:
+            exits.append((m, out, index[id(entry.norm)]))
+
+            def grab(mod, args, output, key=id(m)):
+                v = output[0] if isinstance(output, tuple) else output
+                stds[key] = float(v.float().std(-1, unbiased=False).mean())
+
+            handles.append(m.register_forward_hook(grab))
+    old = float(t.blend)
+    t.blend.fill_(0.0)
+    try:
+        model(batch_x)
+    finally:
+        for h in handles:
+            h.remove()
+        t.blend.fill_(old)
+    for m, out, k in exits:
+        out.norm.weight.fill_(scales[k] * stds[id(m)])
+        if out.norm.bias is not None:
+            out.norm.bias.zero_()
 
 
 def post_norm_sites(model: nn.Module) -> list[nn.Module]:
@@ -247,8 +294,9 @@ class Migration:
 
     def __init__(self, steps: int, schedule: str = "linear", scaled: bool = False, staggered: bool = False,
                  final_norm: str = "trained", endpoint_fraction: float = 0.0, distill: float = 0.0, lr: float | None = None,
-                 budget: float = 0.01):
+                 budget: float = 0.01, placement: str = "pre"):
         self.steps, self.schedule, self.scaled, self.staggered, self.final_norm = steps, schedule, scaled, staggered, final_norm
+        self.placement = placement
         self.endpoint_fraction, self.distill, self.lr, self.budget = endpoint_fraction, distill, lr, budget
 
     @property
@@ -256,7 +304,8 @@ class Migration:
         return self.distill > 0 or self.schedule == "adaptive"
 
     def describe(self) -> str:
-        parts = [("stream-scaled" if self.scaled else "plain") + (" staggered" if self.staggered else "") + " blend"]
+        parts = [("stream-scaled" if self.scaled else "plain") + (" staggered" if self.staggered else "") + " blend"
+                 + ("" if self.placement == "pre" else f" to {self.placement!r}")]
         if self.schedule == "hard":
             parts.append("hard switch")
         elif self.schedule == "adaptive":
@@ -316,9 +365,13 @@ def make_callback(method: Migration, probe_x: torch.Tensor, budget_units: float,
             if self.m.scaled:
                 sites, ratios, _ = measure_scales(pl_module, probe_x)
                 self.units += probe_units
-            report = transition.begin(pl_module, "pre", branch_scale=1.0 if self.m.scaled else None)
+            scaled_branches = self.m.scaled and self.m.placement in ("pre", "mix")
+            report = transition.begin(pl_module, self.m.placement, branch_scale=1.0 if scaled_branches else None)
             if self.m.scaled:
                 sites, self.scales = converted_scales(pl_module, report, sites, ratios)
+                if self.m.placement == "peri":
+                    init_output_norms(pl_module, sites, self.scales, probe_x)
+                    self.units += probe_units
             if self.m.final_norm == "fresh":  # what a norm built with the model holds (issue 20, defect 1)
                 with torch.no_grad():
                     for p in report.added:

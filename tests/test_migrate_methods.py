@@ -28,15 +28,20 @@ def _trained_like(seed=0):
     return lm
 
 
-@pytest.mark.parametrize("staggered", [False, True])
-def test_stream_scaled_blend_is_exact_at_both_ends(staggered):
+@pytest.mark.parametrize("placement,staggered", [("pre", False), ("pre", True), ("mix", False), ("peri", False)])
+def test_stream_scaled_blend_is_exact_at_both_ends(placement, staggered):
     lm = _trained_like()
     x = torch.randint(0, 128, (4, 16))
     with torch.no_grad():
         before = lm(x)
-    sites, ratios, scales = M.measure_scales(lm, x)
-    assert len(sites) == 6 and len(scales) == 7 and scales[0] == 1.0
-    report = transition.begin(lm, "pre", branch_scale=1.0)
+    sites, ratios, _ = M.measure_scales(lm, x)
+    assert len(sites) == 6
+    report = transition.begin(lm, placement, branch_scale=None if placement == "peri" else 1.0,
+                              **({"mix_post_blocks": 1} if placement == "mix" else {}))
+    sites, scales = M.converted_scales(lm, report, sites, ratios)
+    assert len(sites) == (4 if placement == "mix" else 6) and len(scales) == len(sites) + 1 and scales[0] == 1.0
+    if placement == "peri":
+        M.init_output_norms(lm, sites, scales, x)
     patch = M.StreamScaledBlend(lm, report, scales, sites, staggered=staggered)
 
     def at(a):
@@ -56,6 +61,8 @@ def test_stream_scaled_blend_is_exact_at_both_ends(staggered):
     with torch.no_grad():
         assert torch.equal(lm(x), end)  # finish leaves exactly the a = 1 function
 
+    if placement != "pre":
+        return
     # ... which is convert(model, "pre", branch_scale=1.0) with branch k's constant set to C_k
     ref = _trained_like()
     convert(ref, "pre", branch_scale=1.0)
