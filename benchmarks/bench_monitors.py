@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
 from ln_lightning.callbacks import _reduce
+from ln_lightning.callbacks._lightning_internals import logging_step
 from ln_lightning.demo.lightning import CharDataModule, CharLM
 
 SYNCING = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__"}
@@ -83,15 +84,16 @@ class _Calls(TorchFunctionMode):
     def __init__(self, trainer):
         super().__init__()
         self.trainer = trainer
-        self.syncs: list[int] = []  # global_step of each syncing call made from monitor code
+        self.syncs: list[int] = []  # Lightning's logging step of each syncing call made from monitor code
         self.calls: list[int] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         code = sys._getframe(1).f_code.co_filename.replace("\\", "/")
         if "ln_lightning/callbacks" in code:
-            self.calls.append(self.trainer.global_step)
+            step = logging_step(self.trainer)
+            self.calls.append(step)
             if getattr(func, "__name__", "") in SYNCING:
-                self.syncs.append(self.trainer.global_step)
+                self.syncs.append(step)
         return func(*args, **(kwargs or {}))
 
 
@@ -237,7 +239,7 @@ def main(argv=None) -> None:
     make_trainer(sync_steps, args.every, [counter, *monitors()], tmp, args.accelerator).fit(model, data)
     log_steps = [s for s in range(sync_steps) if (s + 1) % args.every == 0]
     syncs = counter.mode.syncs
-    near_log = set(log_steps) | {s + 1 for s in log_steps}  # stream/LN flush after global_step became s + 1
+    near_log = set(log_steps)  # every monitor reduces at its logging step's end, under that step's number
     quiet_steps = sync_steps - len(near_log)
     print(f"host synchronisations from monitor code: {len(syncs)} in {sync_steps} steps with {len(log_steps)} logging "
           f"steps = {len(syncs) / len(log_steps):.1f} per logging step ({len(syncs) / len(log_steps) / 3:.1f} per callback), "

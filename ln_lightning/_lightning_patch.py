@@ -5,23 +5,28 @@ LayerSync objects, and the Trainer calls a LayerSync only from the DDP and FSDP 
 on single-device/DDP runs *after* checkpoint weights are restored (and never on one device or under
 ModelParallelStrategy). `LNPlacement` therefore does its work as a Callback (`setup` runs before
 `configure_model`, checkpoint restore and `configure_optimizers` on every strategy). Nothing in the
-Trainer turns a plugin into a callback, and with a spawn launcher the main process never runs any hook at
-all, so one function is wrapped: `lightning.pytorch.trainer.call._call_and_handle_interrupt`, the funnel
-that `fit`, `validate`, `test` and `predict` pass through in the main process before any process is
-launched. The wrapper:
+Trainer turns a plugin into a callback, with a spawn launcher the main process never runs any hook at all,
+and no hook runs between a LightningModule's `configure_model` and the checkpoint restore after it, so two
+functions of `lightning.pytorch.trainer.call` are wrapped, process-wide, once (:func:`install`, called when
+an `LNPlacement` is built; the monitors in `ln_lightning.callbacks` need none of this):
 
-* does nothing unless the trainer holds an `LNPlacement` (as a plugin or a callback);
-* registers the `LNPlacement` as the trainer's first callback (if it was given as a plugin);
-* for `fit` under a spawn/fork launcher (`ddp_spawn`, `ddp_fork`, ...), rewrites the main process's model
-  before launching, so that the weights rank 0 sends back at the end (loaded with `strict=False` by
-  Lightning) land in a model of the same architecture instead of silently dropping the added modules.
+* `_call_and_handle_interrupt`, the funnel that `fit`, `validate`, `test` and `predict` pass through in the
+  main process before any process is launched. For a Trainer that holds an `LNPlacement` (as a plugin or a
+  callback; any other Trainer is passed through untouched) it registers the `LNPlacement` as the trainer's
+  first callback (if it was given as a plugin), and, for `fit` under a spawn/fork launcher (`ddp_spawn`,
+  `ddp_fork`, ...), rewrites the main process's model before launching, so that the weights rank 0 sends
+  back at the end (loaded with `strict=False` by Lightning) land in a model of the same architecture
+  instead of silently dropping the added modules.
+* `_call_configure_model`: after the LightningModule's `configure_model`, the `LNPlacement` of that Trainer
+  rewrites layers built there (`LNPlacement.after_configure_model`), still before the checkpoint restore and
+  `configure_optimizers`. Nothing is set on the user's module.
 
 `install()` is idempotent and refuses Lightning versions outside the tested range. The other internals
 read here: the Trainer's LayerSync plugin (`trainer._accelerator_connector._layer_sync`, in
-:func:`find_placements`), the spawn launcher's class (`_MultiProcessingLauncher`) and the Trainer a
-LightningModule is attached to (`module._trainer`, in :func:`attached_trainer`). This module imports nothing
-from the rest of ln_lightning: the plugin module registers its class (:func:`register_placement_class`), and
-the entry calls only that class's public methods (`check_strategy`, `rewrite`).
+:func:`find_placements`) and the spawn launcher's class (`_MultiProcessingLauncher`). This module imports nothing
+from the rest of ln_lightning but the leaf `ln_lightning._namespace`: the plugin module registers its class
+(:func:`register_placement_class`), and the entry calls only that class's public methods (`check_strategy`,
+`rewrite`, `after_configure_model`).
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ import functools
 from typing import Any, Callable
 
 import lightning
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer import call as _call
 from lightning.pytorch.trainer.states import TrainerFn
+
+# Moved to a Lightning-free leaf that the monitors use without this module; re-exported for the plugin.
+from ln_lightning._namespace import check_same_namespace, namespace_of  # noqa: F401
 
 # The range this patch was written against and CI tests (lightning / pytorch_lightning 2.5.6 and 2.6.6).
 # Outside it `install` raises: an untested patch could silently stop applying the rewrite.
@@ -68,46 +76,6 @@ def _unsupported_version_message(version: str) -> str:
     )
 
 
-# Written split so that the pytorch_lightning translation (ln_lightning/pytorch_lightning.py), which renames
-# this spelling everywhere in this file, leaves these names alone.
-_NAMESPACES = {"lightning": "lightning" ".pytorch", "pytorch_lightning": "pytorch_lightning"}
-
-
-def namespace_of(cls: type) -> str:
-    """The Lightning namespace (`lightning.pytorch` or `pytorch_lightning`) a Lightning class comes from."""
-    return _NAMESPACES.get(cls.__module__.partition(".")[0], cls.__module__.partition(".")[0])
-
-
-def _namespace(cls: type) -> str | None:
-    """The Lightning namespace a Trainer class comes from; None for anything else."""
-    root, _, rest = cls.__module__.partition(".")
-    return _NAMESPACES.get(root) if cls.__name__ == "Trainer" and rest.endswith("trainer.trainer") else None
-
-
-def check_same_namespace(trainer: Any, obj: Any) -> None:
-    """Refuse `obj` (an ln_lightning plugin or callback) in a Trainer of the other Lightning namespace.
-
-    `lightning.pytorch` and `pytorch_lightning` hold separate classes: the other Trainer would call the hooks
-    but its strategies, modules and checkpoints would fail this object's type checks in confusing ways.
-    """
-    if isinstance(trainer, Trainer):
-        return
-    theirs = next((_namespace(c) for c in type(trainer).__mro__ if _namespace(c)), None)
-    ours = _namespace(Trainer)
-    if theirs is None or theirs == ours:  # not a Lightning Trainer (a test double): nothing to compare
-        return
-    name = type(obj).__name__
-    source = "ln_lightning.pytorch_lightning" if theirs == "pytorch_lightning" else "ln_lightning"
-    raise TypeError(
-        f"{name} was imported for {ours} ({type(obj).__module__}), but this Trainer is a {theirs}.Trainer: "
-        f"{ours} and {theirs} are separate packages with separate classes and can't be mixed in one Trainer. "
-        f"Use `from {source} import {name}` with {theirs}, or build the Trainer from {ours}."
-    )
-
-
-def attached_trainer(module: Any) -> Any:
-    """The Trainer `module` (a LightningModule) is attached to, or None (no error when it is not attached)."""
-    return getattr(module, "_trainer", None)
 
 
 def overrides_configure_model(module: Any) -> bool:
@@ -168,21 +136,37 @@ def _before_trainer_entry(trainer: Any) -> None:
                 raise
 
 
+def _after_configure_model(trainer: Any) -> None:
+    for placement in find_placements(trainer):
+        placement.after_configure_model(trainer, trainer.lightning_module)
+
+
 def is_installed() -> bool:
-    return getattr(_call._call_and_handle_interrupt, _MARK, False)
+    return getattr(_call._call_and_handle_interrupt, _MARK, False) and getattr(_call._call_configure_model, _MARK, False)
 
 
 def install() -> None:
-    """Wrap `call._call_and_handle_interrupt` once (idempotent)."""
+    """Wrap `call._call_and_handle_interrupt` and `call._call_configure_model` once (idempotent)."""
     if is_installed():
         return
     check_version()
-    original = _call._call_and_handle_interrupt
+    if not getattr(_call._call_and_handle_interrupt, _MARK, False):
+        original = _call._call_and_handle_interrupt
 
-    @functools.wraps(original)  # the original stays reachable as `__wrapped__`
-    def _call_and_handle_interrupt(trainer: Any, trainer_fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        _before_trainer_entry(trainer)
-        return original(trainer, trainer_fn, *args, **kwargs)
+        @functools.wraps(original)  # the original stays reachable as `__wrapped__`
+        def _call_and_handle_interrupt(trainer: Any, trainer_fn: Callable, *args: Any, **kwargs: Any) -> Any:
+            _before_trainer_entry(trainer)
+            return original(trainer, trainer_fn, *args, **kwargs)
 
-    setattr(_call_and_handle_interrupt, _MARK, True)
-    _call._call_and_handle_interrupt = _call_and_handle_interrupt
+        setattr(_call_and_handle_interrupt, _MARK, True)
+        _call._call_and_handle_interrupt = _call_and_handle_interrupt
+    if not getattr(_call._call_configure_model, _MARK, False):
+        original_configure = _call._call_configure_model
+
+        @functools.wraps(original_configure)
+        def _call_configure_model(trainer: Any) -> None:
+            original_configure(trainer)
+            _after_configure_model(trainer)
+
+        setattr(_call_configure_model, _MARK, True)
+        _call._call_configure_model = _call_configure_model

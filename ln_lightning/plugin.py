@@ -2,20 +2,20 @@
 
     Trainer(plugins=[LNPlacement("pre")]).fit(model)
 
-How it takes effect (Lightning 2.6): `LNPlacement` is a `LayerSync` (so the Trainer accepts it as a plugin)
+How it takes effect (Lightning 2.5-2.6): `LNPlacement` is a `LayerSync` (so the Trainer accepts it as a plugin)
 and a `Callback`. Its `setup` hook runs on every strategy before `configure_model`, before checkpoint weights
 are restored and before `configure_optimizers`, so parameters the rewrite adds are trained and restored like
-any other. The Trainer does not call plugins as callbacks; `ln_lightning._lightning_patch` (one small,
-version-guarded wrapper, and every other Lightning internal the package reads) registers it, and rewrites the
-main process's model under spawn launchers. What the plugin writes into checkpoints, the guards that check
-them when they are loaded, and the reading behind `load_converted` are `ln_lightning.checkpoint`'s.
+any other. What the rewrite is lives on the model, in its rewrite state (``ln_lightning.placement.state``): the
+plugin creates it (``placement.apply.apply_config``), advances its transition once per optimizer step, and
+writes it into checkpoints; loading a checkpoint is the state's load guard's work. Lightning does not call
+plugins as callbacks, nor anything of a plugin's after ``configure_model``; ``ln_lightning._lightning_patch``
+(every Lightning internal the plugin needs, version-guarded) does both. What checkpoints hold and the reading
+behind `load_converted` are ``ln_lightning.checkpoint``'s.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import math
 import logging
 import os
 from pathlib import Path
@@ -33,28 +33,16 @@ from lightning.pytorch.strategies import (
 )
 from torch import nn
 
-from ln_lightning import _lightning_patch, rewrite_record
+from ln_lightning import _lightning_patch
 from ln_lightning._warnings import info, warn
-from ln_lightning.checkpoint import (
-    CHECKPOINT_KEY,
-    build_model,
-    check_unconverted,
-    end_transition,
-    guard_loading,
-    placement_config,
-    placement_entry,
-    read_checkpoint,
-    remap_optimizer_states,
-    remove_loading_guard,
-    restore,
-    transition_ended,
-)
-from ln_lightning.norm import FusedLayerNorm, swap_layernorms
-from ln_lightning.placement import PlacementError, convert, inspect_model, is_deferred, transition, validate_options
+from ln_lightning.checkpoint import CHECKPOINT_KEY, build_model, placement_record, read_checkpoint, remap_optimizer_states
+from ln_lightning.norm import FusedLayerNorm
+from ln_lightning.placement import PlacementError, inspect_model, transition, validate_options
+from ln_lightning.placement import state as rewrite_state
+from ln_lightning.placement.apply import apply_config, rebuild
+from ln_lightning.placement.compare import difference
 from ln_lightning.placement.options import mix_split
-from ln_lightning.placement.scale import BranchScale
-# The state_dict marker and the config record are defined (and documented) in ln_lightning.rewrite_record.
-from ln_lightning.rewrite_record import MARKER
+from ln_lightning.placement.state import MARKER
 
 log = logging.getLogger(__name__)
 
@@ -68,43 +56,6 @@ class UnsupportedStrategyError(RuntimeError):
     """`LNPlacement` cannot guarantee the rewrite under this strategy (raised at fit start)."""
 
 
-def _merge_swaps(swaps: list) -> dict | None:
-    if not swaps:
-        return None
-    return {
-        "swapped": [p for r in swaps for p in r.swapped],
-        "skipped": [{"path": k.path, "reason": k.reason} for r in swaps for k in r.skipped],
-        "backend": swaps[0].backend,
-    }
-
-
-def _configure_model_then_rewrite(placement: "LNPlacement", trainer: Trainer, stage: str, module: LightningModule,
-                                  original) -> None:
-    del module.configure_model  # back to the class's method (this runs once)
-    if isinstance(trainer.strategy, ModelParallelStrategy):
-        # configure_model applies fully_shard / parallelize itself; the rewrite must come first.
-        original()
-        found = _placement_inspect(module)
-        if found:
-            raise RuntimeError(
-                f"LNPlacement: {type(module).__name__} builds its residual blocks ({', '.join(found[:3])}...) in "
-                "configure_model, where ModelParallelStrategy also shards them; the rewrite has to come before "
-                "sharding. Build the layers in __init__ (meta device is fine), or call "
-                "ln_lightning.convert(...) inside configure_model before fully_shard and drop LNPlacement."
-            )
-        placement._announce(trainer, stage, True)  # nothing to rewrite: the report says so
-        return
-    original()
-    if any(p.device.type == "meta" for p in module.parameters()):
-        return  # not materialised yet: FSDPStrategy.setup calls LayerSync.apply (our `apply`) before wrapping
-    placement.rewrite(module)
-    placement._announce(trainer, stage, True)
-
-
-def _placement_inspect(module: nn.Module) -> list[str]:
-    return inspect_model(module).block_paths()
-
-
 def _uses_fused(model: nn.Module) -> bool:
     """Whether the model's norms are ln_lightning's fused ones (what it computes with, whoever swapped them)."""
     return any(isinstance(m, FusedLayerNorm) for m in model.modules())
@@ -112,109 +63,6 @@ def _uses_fused(model: nn.Module) -> bool:
 
 def _fmt(config: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
-
-
-def _rewritten_stacks(model: nn.Module, placement: str) -> list:
-    """The stacks a rewrite to `placement` changed: those with a block of that placement ("mix": pre)."""
-    block_placement = "pre" if placement == "mix" else placement
-    return [s for s in inspect_model(model).stacks if any(b.placement == block_placement for b in s.blocks)]
-
-
-def _scale_per_stack(config: dict, depths: list[int]) -> list[Any]:
-    """What each stack's branches are multiplied by under `config` (None and 1.0 are the same function)."""
-    bs = config.get("branch_scale")
-    if bs == "depth":
-        return [1.0 / math.sqrt(2 * d) for d in depths]
-    if bs is None:
-        return [1.0] * len(depths)
-    return [float(bs) if isinstance(bs, (int, float)) else bs] * len(depths)
-
-
-def _difference(existing: dict, request: dict, model: nn.Module, added: list[str] | None) -> str | None:
-    """Why a model rewritten to `existing` computes another function than `request` would give it; None if it doesn't."""
-    if existing.get("placement") != request["placement"]:
-        return f"placement {existing.get('placement')!r} is not {request['placement']!r}"
-    placement = request["placement"]
-    if placement == "post":
-        return None  # "post" takes no other option that changes the function
-    if placement == "mix" and existing.get("mix_post_blocks") != request.get("mix_post_blocks"):
-        # None is a quarter of each stack: an explicit count equal to that on every stack is the same function.
-        depths = [s.depth for s in inspect_model(model).stacks]
-        if [mix_split("mix", d, existing.get("mix_post_blocks")) for d in depths] != [mix_split("mix", d, request.get("mix_post_blocks")) for d in depths]:
-            return (f"mix_post_blocks {existing.get('mix_post_blocks')!r} is not {request.get('mix_post_blocks')!r} "
-                    "(None: a quarter of each stack)")
-    stacks = None
-    if existing.get("branch_scale") != request["branch_scale"]:
-        stacks = _rewritten_stacks(model, placement)
-        depths = [s.depth for s in stacks]
-        have, want = _scale_per_stack(existing, depths), _scale_per_stack(request, depths)
-        same = all(
-            (math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) and isinstance(b, float) else a == b)
-            for a, b in zip(have, want)
-        )
-        if not same:
-            return f"branch_scale {existing.get('branch_scale')!r} is not {request['branch_scale']!r}"
-    if request["branch_scale"] == "layerscale" and existing.get("layerscale_init") != request.get("layerscale_init"):
-        return (f"layerscale_init {existing.get('layerscale_init', 'unknown')!r} is not {request.get('layerscale_init')!r} "
-                "(the scales started from other values)")
-    if bool(existing.get("final_norm")) != request["final_norm"]:
-        stacks = stacks if stacks is not None else _rewritten_stacks(model, placement)
-        finals = [s.final_norm for s in stacks]
-        if request["final_norm"]:  # the request adds a final norm wherever a stack has none
-            if any(f is None for f in finals):
-                return "final_norm=False left a stack without a final norm; final_norm=True would add one"
-        elif added is None or any(f in added for f in finals):  # unknown, or the rewrite added one
-            return "final_norm=True added a final norm that final_norm=False would not have"
-    return None
-
-
-def _infer_config(model: nn.Module) -> dict | None:
-    """The configuration of an engine rewrite that left no record, read from the model's structure; None if none.
-
-    A fallback for models converted by ``convert`` before it recorded itself (ln_lightning 0.1.0). Deferred
-    norms or branch scales inside the blocks say a pre-norm rewrite happened; ``branch_scale`` comes from the
-    scale modules (one constant, ``1/sqrt(2L)`` per stack, or learnable), ``final_norm`` is True when every
-    rewritten stack ends in a norm. ``layerscale_init`` can't be recovered (the scales may have trained) and is left out.
-    """
-    modules = list(model.modules())
-    if not any(is_deferred(m) or isinstance(m, BranchScale) for m in modules):
-        return None
-    stacks = [s for s in inspect_model(model).stacks if any(b.placement == "pre" for b in s.blocks)]
-    if not stacks:
-        return None
-    per_stack: list[Any] = []
-    for s in stacks:
-        values = []
-        for b in s.blocks:
-            block = model.get_submodule(b.path)
-            for m in block.modules():
-                if isinstance(m, BranchScale):
-                    values.append("layerscale" if getattr(m, "learnable", False) else float(m.value().detach().float().cpu()))
-        kinds = set(values)
-        per_stack.append(None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed")
-    if all(v is None for v in per_stack):
-        branch_scale: Any = None
-    elif all(v == "layerscale" for v in per_stack):
-        branch_scale = "layerscale"
-    elif all(isinstance(v, float) for v in per_stack):
-        if len(set(per_stack)) == 1:
-            branch_scale = per_stack[0]
-        elif all(math.isclose(v, 1 / math.sqrt(2 * s.depth), rel_tol=1e-6) for v, s in zip(per_stack, stacks)):
-            branch_scale = "depth"
-        else:
-            branch_scale = "mixed"
-    else:
-        branch_scale = "mixed"  # no single configuration describes it; never equal to a request
-    return {"placement": "pre", "final_norm": all(s.final_norm is not None for s in stacks), "branch_scale": branch_scale}
-
-
-def _applied_config(model: nn.Module) -> tuple[dict | None, str]:
-    """(configuration, source): recorded on the model ("recorded"), read from its structure ("inferred"), or (None, "")."""
-    config = rewrite_record.recorded_config(model)
-    if config is not None:
-        return config, "recorded"
-    config = _infer_config(model)
-    return (config, "inferred") if config is not None else (None, "")
 
 
 @_lightning_patch.register_placement_class  # what the Trainer entry looks for (the patch imports nothing from here)
@@ -248,17 +96,19 @@ class LNPlacement(LayerSync, Callback):
         resume_unconverted: let ``ckpt_path`` load a checkpoint written *without* the rewrite (no placement
             marker: a plugin-less post-norm run) into the rewritten model. Off by default: those weights were
             trained for another function, so such a checkpoint is refused at the start. On, it loads them
-            and warns what that means (parameters the rewrite added keep their fresh values). With
+            and warns what that means: an added final norm starts from the checkpoint's trained norm it copies,
+            other parameters the rewrite added keep their fresh values (and fresh optimizer state). With
             ``transition_steps`` this is how a plugin-less post-norm run continues as pre-norm: the resumed model
             computes exactly the checkpoint's function and the transition starts at the checkpoint's step.
         transition_steps: ``None`` (the rewrite takes effect at once), or ``N``: a function-preserving transition
             (``ln_lightning.placement.transition``). At fit start the model computes exactly the function it
-            had; over the next ``N`` optimizer steps a blend moves it to ``placement`` (read from
-            ``trainer.global_step`` before each step, so a resumed run continues at the same point; logged as
-            ``ln_placement/transition``); after step ``N`` the transition machinery is removed and the model is
-            exactly what ``convert(model, placement, ...)`` gives. The blend is a buffer in every checkpoint.
-            Any placement but ``"post"`` (which can't preserve a trained function: it only undoes a rewrite).
-        transition_schedule: ``"linear"`` (blend = t) or ``"cosine"`` (blend = (1 - cos(pi t)) / 2), t = step / N.
+            had; each optimizer step moves a blend towards ``placement`` (logged as ``ln_placement/transition``);
+            after ``N`` optimizer steps the transition machinery is removed and the model is exactly what
+            ``convert(model, placement, ...)`` gives. The steps done are part of the model (a buffer in every
+            checkpoint), so a resumed run, and a second ``fit`` of the same model, continue where it stood; a
+            fit that ends before the transition says so. Any placement but ``"post"`` (which can't preserve a
+            trained function: it only undoes a rewrite). At most ``2**63 - 1``.
+        transition_schedule: ``"linear"`` (blend = t) or ``"cosine"`` (blend = (1 - cos(pi t)) / 2), t = steps done / N.
 
     A model that is already rewritten (by an earlier ``LNPlacement`` or by ``convert``) is trained as it
     is when this ``LNPlacement`` asks for the same function (the configuration the model computes is what
@@ -322,8 +172,9 @@ class LNPlacement(LayerSync, Callback):
         except PlacementError as err:
             raise PlacementError(f"LNPlacement: {err}") from None
         if transition_steps is not None:
-            if isinstance(transition_steps, bool) or not isinstance(transition_steps, int) or transition_steps < 1:
-                raise ValueError(f"LNPlacement: transition_steps must be a positive int (optimizer steps) or None, got {transition_steps!r}.")
+            if isinstance(transition_steps, bool) or not isinstance(transition_steps, int) or not 1 <= transition_steps <= transition.MAX_STEPS:
+                raise ValueError(f"LNPlacement: transition_steps must be a positive int (optimizer steps) of at most 2**63 - 1 "
+                                 f"(the step counter is int64), or None; got {transition_steps!r}.")
             try:
                 transition.check_target(placement)
             except PlacementError as err:
@@ -333,7 +184,6 @@ class LNPlacement(LayerSync, Callback):
         _lightning_patch.install()
         self.transition_steps = transition_steps
         self.transition_schedule = transition_schedule
-        self._schedule_checked = False
         self.placement = placement
         self.mix_post_blocks = mix_post_blocks
         self.final_norm = final_norm
@@ -350,6 +200,7 @@ class LNPlacement(LayerSync, Callback):
         self.swap_report: dict | None = None  # what the fused swap did (None: fused=False)
         self._report_pending = False  # a report not yet logged at a fit start
         self._note: str | None = None  # a line to log at the next announce (a model rewritten before this plugin)
+        self._run: _Run | None = None  # what this plugin holds during one Trainer call (setup to teardown)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -380,26 +231,21 @@ class LNPlacement(LayerSync, Callback):
     # ------------------------------------------------------------------ the rewrite
     @staticmethod
     def applied_config(model: nn.Module) -> dict | None:
-        """The placement configuration `model` computes, or None if no rewrite touched it.
-
-        Read from the record a rewrite leaves on the model (``ln_lightning.rewrite_record``), or, for a model
-        converted by ``convert`` without one (ln_lightning 0.1.0), from its structure.
-        """
-        return _applied_config(model)[0]
+        """The placement configuration `model` computes (its rewrite state's), or None if no rewrite touched it."""
+        state = rewrite_state.of(model)
+        return None if state is None else dict(state.config)
 
     def rewrite(self, model: nn.Module):
         """Convert `model` in place. Returns the ConversionReport, or None if it was already rewritten.
 
-        A model already rewritten to the same function is kept as it is (and its configuration recorded);
-        one rewritten to another configuration raises ValueError naming both.
+        A model already rewritten to the same function is kept as it is (and marked); one rewritten to another
+        configuration raises ValueError naming both.
         """
-        existing, source = _applied_config(model)
-        if existing is not None:
-            self._adopt(model, existing, source)
+        state = rewrite_state.of(model)
+        if state is not None:
+            self._adopt(model, state)
             return None
         self._check_scale_applies(model)
-        # Swap first: convert wraps each norm's own class (DeferredNorm), which the swap then leaves alone.
-        swaps = [swap_layernorms(model)] if self.fused else []
         example = self.example_input
         if example is None:
             example = getattr(model, "example_input_array", None)
@@ -409,69 +255,38 @@ class LNPlacement(LayerSync, Callback):
             ref = next(iter(model.parameters()), None)
             if ref is not None and ref.device.type != "meta":
                 example = move_data_to_device(example, ref.device)
-        report = convert(
-            model,
-            placement=self.placement,
-            final_norm=self.final_norm,
-            branch_scale=self.branch_scale,
-            strict=self.strict,
-            **({"layerscale_init": self.layerscale_init} if self.layerscale_init is not None else {}),
-            **({"mix_post_blocks": self.mix_post_blocks} if self.mix_post_blocks is not None else {}),
-            example_input=example,
-        )
-        if self.fused:
-            for path in report.added:  # a final norm convert added is a plain nn.LayerNorm: swap it too
-                try:
-                    added = model.get_submodule(path)
-                except AttributeError:
-                    continue  # a parameter (LayerScale), not a module
-                if type(added) is nn.LayerNorm:  # (convert may already build it with the swapped class)
-                    swaps.append(swap_layernorms(added))
-        self.swap_report = _merge_swaps(swaps)
-        if report.blocks:  # nothing recognised (layers built later, in configure_model): try again then
-            # Markers on the owners of what changed (none when nothing did: there is nothing to guard).
-            owners = None if report.changed else set()
-            rewrite_record.record(model, self.config, [b.path for b in report.converted], added=report.added, owners=owners)
-        self.report = report
+        applied = apply_config(model, self.config, fused=self.fused, strict=self.strict, example_input=example,
+                               transition_steps=self.transition_steps, transition_schedule=self.transition_schedule)
+        self.swap_report = applied.swap
+        self.report = applied.report
         self._report_pending = True
-        if self.transition_steps is not None and report.changed:
-            transition.start(model, report, steps=self.transition_steps, schedule_kind=self.transition_schedule)
-        return report
+        return applied.report
 
-    def _adopt(self, model: nn.Module, existing: dict, source: str) -> None:
-        """A model rewritten before: refuse a request for another function, else record what it computes."""
-        reason = _difference(existing, self.config, model, rewrite_record.recorded_added(model))
-        how = "recorded on the model" if source == "recorded" else "read from its structure: rewritten by convert()"
-        if reason is None and self.transition_steps is not None and not self._transition_known(model):
+    def _adopt(self, model: nn.Module, state: rewrite_state.RewriteState) -> None:
+        """A model rewritten before: refuse a request for another function, else mark what it computes."""
+        existing = state.config
+        reason = difference(existing, self.config, model, state.added)
+        if reason is None and self.transition_steps is not None and state.transition is None and not state.transition_ended:
             reason = (f"transition_steps needs the model as written to start from, but this one computes "
                       f"{existing.get('placement')!r} already (no transition under way)")
         if reason is not None:
             raise ValueError(
-                f"LNPlacement: this model was already rewritten to ({_fmt(existing)}) ({how}), but this LNPlacement "
-                f"asks for ({_fmt(self.config)}): {reason}. Fitting would silently train the first configuration. "
-                f"Use a fresh, unconverted model with this LNPlacement, or ask for what the model computes: "
-                f"LNPlacement({_fmt(existing)})."
+                f"LNPlacement: this model was already rewritten to ({_fmt(existing)}) (recorded on the model), but this "
+                f"LNPlacement asks for ({_fmt(self.config)}): {reason}. Fitting would silently train the first "
+                f"configuration. Use a fresh, unconverted model with this LNPlacement, or ask for what the model "
+                f"computes: LNPlacement({_fmt(existing)})."
             )
-        if source == "inferred" or not rewrite_record.marker_owners(model):
-            # Record it (convert() records the configuration, not the marker), so checkpoints and markers say
-            # what the model computes, whoever rewrote it.
-            placement = existing.get("placement", "pre")
-            block_placement = "pre" if placement == "mix" else placement
-            blocks = [b.path for s in _rewritten_stacks(model, placement) for b in s.blocks if b.placement == block_placement]
-            rewrite_record.record(model, existing, blocks)
+        if not state.marked:
+            state.mark(model)  # convert() records the rewrite, not the marker: checkpoints say what it computes
         if self.report is None:  # this plugin did not rewrite it (a worker of ddp_spawn inherits the report)
             self._note = (
-                f"LNPlacement: the model was already rewritten to ({_fmt(existing)}) ({how}); that is the function "
-                f"this LNPlacement ({_fmt(self.config)}) asks for, so it is trained as it is, and checkpoints "
-                "record its configuration."
+                f"LNPlacement: the model was already rewritten to ({_fmt(existing)}) (recorded on the model); that is "
+                f"the function this LNPlacement ({_fmt(self.config)}) asks for, so it is trained as it is, and "
+                "checkpoints record its configuration."
                 + ("" if _uses_fused(model) == self.fused else
                    f" Its norms stay {'fused' if _uses_fused(model) else 'torch.nn.LayerNorm'} (fused={self.fused} "
                    "applies to the models this plugin rewrites).")
             )
-
-    @staticmethod
-    def _transition_known(model: nn.Module) -> bool:
-        return transition.active(model) is not None or transition_ended(model)
 
     def _check_scale_applies(self, model: nn.Module) -> None:
         # convert scales a branch only when it moves the branch's norm: a block already pre-norm keeps
@@ -493,20 +308,6 @@ class LNPlacement(LayerSync, Callback):
                 "(ln_lightning.convert(model, 'post'))."
             )
 
-    def _check_checkpoint(self, module: LightningModule, checkpoint: dict) -> None:
-        """Before Lightning loads a ckpt_path into the rewritten model (``checkpoint.check_unconverted``)."""
-        where = getattr(_lightning_patch.attached_trainer(module), "ckpt_path", None) or "the checkpoint"
-        fresh = check_unconverted(module, checkpoint, where=where, resume_unconverted=self.resume_unconverted,
-                                  transition_steps=self.transition_steps)
-        if fresh:
-            self._optimizer_remap = (checkpoint, fresh)  # done at on_fit_start, once the optimizers exist
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # After configure_optimizers, before Lightning restores the optimizer state from the checkpoint.
-        remap, self._optimizer_remap = getattr(self, "_optimizer_remap", None), None
-        if remap is not None:
-            remap_optimizer_states(remap[0], trainer.optimizers, pl_module, set(remap[1]))
-
     def check_strategy(self, strategy: Strategy) -> None:
         """Raise UnsupportedStrategyError unless the rewrite is tested to take effect in time under `strategy`."""
         if type(strategy) in SUPPORTED_STRATEGIES:
@@ -521,95 +322,192 @@ class LNPlacement(LayerSync, Callback):
             "Trainer."
         )
 
-    # ------------------------------------------------------------------ Callback hooks
+    # ------------------------------------------------------------------ one Trainer call, setup to teardown
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         _lightning_patch.check_same_namespace(trainer, self)
-        needs_rewrite = self.applied_config(pl_module) is None
+        self._end_run(pl_module)  # a run that failed before its teardown (on_exception cleans up; this is for safety)
+        needs_rewrite = rewrite_state.of(pl_module) is None
         if stage == "fit" or needs_rewrite:
             self.check_strategy(trainer.strategy)
-        # Runs before Lightning loads a ckpt_path (on every strategy), to refuse one written without the rewrite.
-        # A guard left by a fit that failed before its teardown is replaced, not stacked or reused.
-        guard_loading(pl_module, self._check_checkpoint)
+        self._run = _Run(stage)
         if not needs_rewrite:
             self.rewrite(pl_module)  # already rewritten: the request must be the same function
         else:
             lazy = _lightning_patch.overrides_configure_model(pl_module)
             try:
                 self.rewrite(pl_module)
-            except Exception as err:  # e.g. "no LayerNorm": the layers may not exist before configure_model
-                if not (lazy and type(err).__name__ == "PlacementError"):
+            except PlacementError:  # e.g. "no LayerNorm": the layers may not exist before configure_model
+                if not lazy:
                     raise
-            if self.applied_config(pl_module) is None and lazy:
-                # No blocks yet: the layers are built in configure_model. Rewrite right after it, which is
-                # still before checkpoint restore and configure_optimizers; report then.
-                pl_module.configure_model = functools.partial(
-                    _configure_model_then_rewrite, self, trainer, stage, pl_module, pl_module.configure_model
-                )
+            if rewrite_state.of(pl_module) is None and lazy:
+                # No blocks yet: the layers are built in configure_model. The patch calls `after_configure_model`
+                # right after it, which is still before checkpoint restore and configure_optimizers.
+                self._run.after_configure_model = True
                 return
+        self._open_load(pl_module)
         self._announce(trainer, stage, needs_rewrite)
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """The transition's blend for this optimizer step, from `trainer.global_step` (the same on every rank)."""
-        t = transition.active(pl_module)
-        if t is None or self.transition_steps is None:
+    def after_configure_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Called by the patch right after the LightningModule's ``configure_model``: the deferred rewrite."""
+        if self._run is None or not self._run.after_configure_model:
             return
-        if batch_idx == 0 or not self._schedule_checked:
+        self._run.after_configure_model = False
+        stage = self._run.stage
+        if isinstance(trainer.strategy, ModelParallelStrategy):
+            # configure_model applies fully_shard / parallelize itself; the rewrite had to come first.
+            found = inspect_model(pl_module).block_paths()
+            if found:
+                raise RuntimeError(
+                    f"LNPlacement: {type(pl_module).__name__} builds its residual blocks ({', '.join(found[:3])}...) in "
+                    "configure_model, where ModelParallelStrategy also shards them; the rewrite has to come before "
+                    "sharding. Build the layers in __init__ (meta device is fine), or call "
+                    "ln_lightning.convert(...) inside configure_model before fully_shard and drop LNPlacement."
+                )
+            self._announce(trainer, stage, True)  # nothing to rewrite: the report says so
+            return
+        if any(p.device.type == "meta" for p in pl_module.parameters()):
+            return  # not materialised yet: FSDPStrategy.setup calls LayerSync.apply (our `apply`) before wrapping
+        self.rewrite(pl_module)
+        self._open_load(pl_module)
+        self._announce(trainer, stage, True)
+
+    def _open_load(self, pl_module: LightningModule) -> None:
+        # LNPlacement(resume_unconverted=True): the ckpt_path load of this call may bring weights saved without the
+        # rewrite; the model's load guard fills in what they lack (ln_lightning.placement.state).
+        state = rewrite_state.of(pl_module)
+        if self.resume_unconverted and state is not None and state.marked:
+            state.accepting = {"warned": False, "who": "LNPlacement(resume_unconverted=True)"}
+            self._run.accepting = state
+
+    def _close_load(self) -> dict | None:
+        run = self._run
+        if run is None or run.accepting is None:
+            return None
+        accepted, run.accepting.accepting, run.accepting = run.accepting.accepting, None, None
+        return accepted
+
+    def _end_run(self, pl_module: LightningModule | None) -> None:
+        """Let go of everything this Trainer call set up (after teardown, or after an exception)."""
+        self._close_load()
+        self._run = None
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+        # After the model's weights (the guard has done its work), before the optimizer states are restored.
+        if self._run is not None:
+            self._run.checkpoint = checkpoint
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After configure_optimizers and the checkpoint's weights, before Lightning restores the optimizer states.
+        accepted = self._close_load()
+        if accepted is not None and accepted.get("warned") and self._run.checkpoint is not None:
+            names = dict(pl_module.named_parameters())
+            fresh = [k for k in accepted.get("added", []) if k in names]
+            if fresh and isinstance(self._run.checkpoint.get("optimizer_states"), list):
+                remap_optimizer_states(self._run.checkpoint, trainer.optimizers, pl_module, set(fresh))
+        state = rewrite_state.of(pl_module)
+        t = None if state is None else state.transition
+        if t is not None:
+            if self.transition_steps is None:
+                raise PlacementError(
+                    f"LNPlacement: the model is in a placement transition (at {t.host_steps} of {t.steps} steps, schedule "
+                    f"{t.kind!r}: written so in the checkpoint or left by an earlier fit), but this LNPlacement has no "
+                    f"transition_steps, so fitting would train a blend that never moves. Pass "
+                    f"LNPlacement(..., transition_steps={t.steps}, transition_schedule={t.kind!r}) (the values it records)."
+                )
             transition.check_schedule(t, self.transition_steps, self.transition_schedule)
-            self._schedule_checked = True
-        a = transition.step_blend(t, trainer.global_step)
-        if a >= 1.0:
-            self._finish_transition(pl_module)  # a run resumed past the transition's end
-        else:
-            t.blend.fill_(a)
-        pl_module.log("ln_placement/transition", a, on_step=True, on_epoch=False)
+            if t.host_steps:  # a second fit or a resume: where it stands (the first fit starts at 0)
+                info(log, f"LNPlacement: the transition to {self.placement}-norm continues at step {t.host_steps} of {t.steps}.")
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._run is not None and self._run.stage != "fit":
+            self._close_load()
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_load()
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_load()
+
+    # ------------------------------------------------------------------ the transition, per optimizer step
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        state = rewrite_state.of(pl_module)
+        if state is not None and state.transition is not None and self.transition_steps is not None:
+            # The blend of this step, logged as the device tensor it is: no host synchronisation per step.
+            pl_module.log("ln_placement/transition", state.transition.blend, on_step=True, on_epoch=False)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
+        if self._run is not None:
+            self._run.stepped = True  # this batch steps an optimizer (several, under manual optimisation: one step)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        t = transition.active(pl_module)
-        if t is not None and self.transition_steps is not None and int(t.start_step) >= 0:
-            if transition.step_blend(t, trainer.global_step) >= 1.0:  # step N done: the plain conversion from here on
-                self._finish_transition(pl_module)
+        run = self._run
+        if run is None or not run.stepped:
+            return
+        run.stepped = False
+        state = rewrite_state.of(pl_module)
+        if state is None or state.transition is None or self.transition_steps is None:
+            return
+        if state.advance(pl_module) >= 1.0:
+            info(log, f"LNPlacement: transition to {self.placement}-norm finished after {self.transition_steps} steps; the "
+                 f"model is now exactly its {self.placement}-norm rewrite.")
 
-    def _finish_transition(self, pl_module: LightningModule) -> None:
-        end_transition(pl_module)
-        info(log, f"LNPlacement: transition to {self.placement}-norm finished after {self.transition_steps} steps; the "
-             f"model is now exactly its {self.placement}-norm rewrite.")
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        state = rewrite_state.of(pl_module)
+        progress = None if state is None else state.progress()
+        if progress is None:
+            return
+        done, steps, a = progress
+        msg = (f"LNPlacement: the fit ended during the transition to {self.placement}-norm, at step {done} of {steps} (blend "
+               f"{a:.4g}): the model computes that blend, not yet its {self.placement}-norm rewrite. Its checkpoints load back "
+               "into that blend; a further fit of this model (or from its checkpoint with the same LNPlacement) continues it.")
+        if trainer.is_global_zero:
+            warn(msg)
+        self._log_report(trainer, final={"transition": {"steps": steps, "steps_done": done, "blend": a, "finished": False}})
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._end_run(pl_module)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._optimizer_remap = None  # a checkpoint loaded by validate/test is not the next fit's
-        remove_loading_guard(pl_module)  # no ckpt_path was loaded: remove the one-shot guard
+        self._end_run(pl_module)
 
+    # ------------------------------------------------------------------ reporting
     def _announce(self, trainer: Trainer, stage: str, rewrote: bool) -> None:
         if self._note is not None:
             info(log, self._note)
             self._note = None
         if stage == "fit" and self.log_report and self._report_pending:
+            self._report_pending = False
             self._log_report(trainer)
         elif rewrote and self.report is not None:
             info(log, f"LNPlacement ({getattr(stage, 'value', stage)}): {self.report.summary()}")
 
-    def _log_report(self, trainer: Trainer) -> None:
+    def _log_report(self, trainer: Trainer, final: dict | None = None) -> None:
+        """The report at fit start (console, JSON next to the logger's files, TensorBoard text); with `final`,
+        that JSON again with what the fit's end adds (a transition still under way)."""
+        if not self.log_report:
+            return
         # The JSON goes next to the logger's files; without a logger there is no log dir to litter.
         log_dir = trainer.log_dir if trainer.loggers else None  # a collective (broadcast): every rank calls it
-        self._report_pending = False
         if not trainer.is_global_zero or self.report is None:
             return
         report = self.report
-        info(log, f"LNPlacement {self.config}:\n{report}")
-        if not report.converted and report.changed is False:
-            info(log, "LNPlacement: the model needed no change; training proceeds with it as it is.")
-        if report.skipped:
-            warn(
-                f"LNPlacement skipped {len(report.skipped)} block(s): "
-                + "; ".join(f"{b.path}: {b.reason}" for b in report.skipped)
-            )
-        if not report.blocks:
-            warn("LNPlacement found no residual blocks in the model: nothing was rewritten.")
-        if self.swap_report is not None:
-            sw = self.swap_report
-            info(log, f"LNPlacement: fused LayerNorm swapped in for {len(sw['swapped'])} LayerNorm(s)"
-                      + (f", skipped {len(sw['skipped'])}: {sw['skipped']}" if sw["skipped"] else ""))
+        if final is None:
+            info(log, f"LNPlacement {self.config}:\n{report}")
+            if not report.converted and report.changed is False:
+                info(log, "LNPlacement: the model needed no change; training proceeds with it as it is.")
+            if report.skipped:
+                warn(
+                    f"LNPlacement skipped {len(report.skipped)} block(s): "
+                    + "; ".join(f"{b.path}: {b.reason}" for b in report.skipped)
+                )
+            if not report.blocks:
+                warn("LNPlacement found no residual blocks in the model: nothing was rewritten.")
+            if self.swap_report is not None:
+                sw = self.swap_report
+                info(log, f"LNPlacement: fused LayerNorm swapped in for {len(sw['swapped'])} LayerNorm(s)"
+                          + (f", skipped {len(sw['skipped'])}: {sw['skipped']}" if sw["skipped"] else ""))
         payload = {"config": self.config, "fused": self.fused, "strategy": type(trainer.strategy).__name__,
-                   "report": report.to_dict(), "fused_swap": self.swap_report}
+                   "report": report.to_dict(), "fused_swap": self.swap_report, **(final or {})}
         if log_dir:
             from lightning.fabric.utilities.cloud_io import get_filesystem
 
@@ -620,17 +518,18 @@ class LNPlacement(LayerSync, Callback):
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_text"):  # TensorBoard: the report in the TEXT tab
-                experiment.add_text("ln_placement/report", "```\n" + str(report) + "\n```", global_step=0)
+                text = str(report) if final is None else json.dumps(final)
+                experiment.add_text("ln_placement/report", "```\n" + text + "\n```", global_step=trainer.global_step)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        checkpoint[CHECKPOINT_KEY] = placement_entry(
-            pl_module, config=self.applied_config(pl_module) or self.config, fused=_uses_fused(pl_module), report=self.report
-        )
+        state = rewrite_state.of(pl_module)
+        if state is not None:
+            checkpoint[CHECKPOINT_KEY] = state.checkpoint_entry(pl_module, report=self.report)
 
     # ------------------------------------------------------------------ LayerSync (DDP / FSDP strategies)
     def apply(self, model: nn.Module) -> nn.Module:
         """Called by DDP/FSDP `setup`: the rewrite normally happened in `setup` already (idempotent)."""
-        if isinstance(model, LightningModule) and self.applied_config(model) is None:
+        if isinstance(model, LightningModule) and rewrite_state.of(model) is None:
             # A model built in configure_model (on the meta device under FSDP): still before wrapping and optimizers.
             report = self.rewrite(model)
             if report is not None and report.blocks:
@@ -640,10 +539,22 @@ class LNPlacement(LayerSync, Callback):
         return model
 
     def revert(self, model: nn.Module) -> nn.Module:
-        """Does not undo the placement rewrite (the trained placement is what you keep); reverts `layer_sync`."""
+        """LayerSync's undo, called by DDP/FSDP at teardown: reverts `layer_sync` only. The placement rewrite is the
+        model that was trained, so it stays (undoing it would make fit() return, and test() run, another function)."""
         if self.layer_sync is not None:
             model = self.layer_sync.revert(model)
         return model
+
+
+class _Run:
+    """What an LNPlacement holds during one Trainer call: from `setup` to `teardown` or `on_exception`."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.after_configure_model = False  # the rewrite waits for configure_model
+        self.accepting: rewrite_state.RewriteState | None = None  # a state opened for an unconverted ckpt_path load
+        self.checkpoint: dict | None = None  # the ckpt_path checkpoint (its optimizer states may need remapping)
+        self.stepped = False  # an optimizer stepped in the current training batch
 
 
 def load_converted(
@@ -653,6 +564,7 @@ def load_converted(
     map_location: Any = "cpu",
     fused: bool = False,
     strict: bool = True,
+    weights_only: bool = True,
     **model_kwargs: Any,
 ) -> nn.Module:
     """Load a checkpoint written by a run with `LNPlacement` into the original model class, for inference.
@@ -662,24 +574,33 @@ def load_converted(
     needs ``model_kwargs`` or an instance (building with the defaults could give another model whose
     weights happen to fit, so it is refused). Another nn.Module class is built from ``model_kwargs``. The
     class must be the one the checkpoint records (or a subclass). The placement rewrite recorded in the
-    checkpoint is applied before the weights are loaded (strictly); returns the model in eval mode.
+    checkpoint is applied before the weights are loaded (strictly), including a transition under way when it
+    was written; returns the model in eval mode. The file is read with ``torch.load(weights_only=True)``, as
+    Lightning reads a ``ckpt_path``; ``weights_only=False`` is for a trusted file whose hyperparameters hold
+    objects that refuses.
 
     Example::
 
         model = load_converted(CharLM, "lightning_logs/version_0/checkpoints/last.ckpt")
     """
     path = Path(checkpoint_path)
-    checkpoint = read_checkpoint(path, map_location)
-    config = placement_config(checkpoint, path)
+    checkpoint = read_checkpoint(path, map_location, weights_only=weights_only)
+    record = placement_record(checkpoint, path)
     model = build_model(model, checkpoint, path, model_kwargs)
     try:
-        placement = LNPlacement(**config, fused=fused, log_report=False)
+        validate_options(**record["config"], strict=False)  # the options this version takes
     except (TypeError, ValueError) as err:
         raise ValueError(f"load_converted: {path} records a placement configuration LNPlacement can't build: {err}") from None
-    placement.rewrite(model)
-    return restore(model, checkpoint, placement.report, strict=strict)
+    if record.get("converted") is None:  # format 1: only the configuration is known
+        apply_config(model, record["config"], fused=fused)
+    else:
+        rebuild(model, {**record, "transition": None}, fused=fused)  # a transition: from the weights, at the load
+    if isinstance(model, LightningModule):
+        model.on_load_checkpoint(checkpoint)
+    model.load_state_dict(checkpoint.get("state_dict", checkpoint), strict=strict)
+    return model.eval()
 
 
 __all__ = ["LNPlacement", "load_converted", "UnsupportedStrategyError", "SUPPORTED_STRATEGIES", "REPORT_FILENAME",
-           # re-exported: the keys a rewrite leaves in checkpoints (ln_lightning.checkpoint, ln_lightning.rewrite_record)
+           # re-exported: the keys a rewrite leaves in checkpoints (ln_lightning.checkpoint, ln_lightning.placement.state)
            "MARKER", "CHECKPOINT_KEY"]

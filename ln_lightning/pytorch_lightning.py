@@ -12,7 +12,7 @@ here are ln_lightning's Lightning-facing modules (``ln_lightning.plugin``, ``ln_
 read as ``pytorch_lightning`` and ``lightning.fabric`` as ``lightning_fabric`` - the renaming Lightning's own
 release applies to produce the ``pytorch_lightning`` package. One code base, and honest classes: this
 ``LNPlacement`` is a ``pytorch_lightning`` ``LayerSync`` and ``Callback``, not a ``lightning.pytorch`` one.
-The placement engine, the fused norm, the rewrite record and :class:`ln_lightning.LNLightningWarning`
+The placement engine (the rewrite state included), the fused norm and :class:`ln_lightning.LNLightningWarning`
 use no Lightning class and are shared, so checkpoints move freely between the two namespaces.
 
 Using the ``lightning.pytorch`` objects (``from ln_lightning import ...``) in a ``pytorch_lightning``
@@ -36,13 +36,16 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "with `lightning.pytorch`."
     ) from None
 
-# The modules that import Lightning classes (the rest of the package is Lightning-free and shared).
+# The modules that import Lightning classes, and the callbacks modules they import (the rest of the package is
+# Lightning-free and shared).
 _CLONED = frozenset({
     "_lightning_patch",
     "checkpoint",
     "plugin",
     "callbacks",
     "callbacks._common",
+    "callbacks._lightning_internals",
+    "callbacks._placement_lookup",
     "callbacks._reduce",
     "callbacks.clip",
     "callbacks.dashboard",
@@ -63,7 +66,7 @@ _FROM_PACKAGE = re.compile(r"^(\s*)from ln_lightning import ([\w, ]+)$", re.M)
 
 
 def _split_package_import(match: re.Match) -> str:
-    """`from ln_lightning import _lightning_patch, rewrite_record` -> the cloned name from here, the rest as is."""
+    """`from ln_lightning import _lightning_patch, _warnings` -> the cloned name from here, the rest as is."""
     indent, names = match.group(1), [n.strip() for n in match.group(2).split(",")]
     cloned = [n for n in names if n in _CLONED]
     shared = [n for n in names if n not in _CLONED]

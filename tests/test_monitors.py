@@ -22,6 +22,7 @@ from ln_lightning.testing.monitors import (  # noqa: E402
     GROUPS,
     NORMS,
     FixedBatchLM,
+    ManualLM,
     make_trainer,
     all_monitors,
     compare,
@@ -35,6 +36,7 @@ from ln_lightning.testing.monitors import (  # noqa: E402
 
 from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor  # noqa: E402
 from ln_lightning.callbacks._common import normalize_name  # noqa: E402
+from ln_lightning.callbacks._lightning_internals import logging_step  # noqa: E402
 from ln_lightning.callbacks.clip import default_group_fn  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -151,19 +153,19 @@ _SYNCING = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"
 
 
 class _TorchCallsFromMonitors(TorchFunctionMode):
-    """Records every torch function / Tensor method called directly from ln_lightning/callbacks code."""
+    """Records every torch function / Tensor method called directly from ln_lightning/callbacks code, with the
+    logging step (Lightning's, as `self.log` uses it) it was called in."""
 
     def __init__(self, trainer):
         super().__init__()
         self.trainer = trainer
-        self.calls: list[tuple[int, bool, str, str]] = []
+        self.calls: list[tuple[int, str, str]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         frame = sys._getframe(1)
         if "ln_lightning/callbacks" in frame.f_code.co_filename.replace("\\", "/"):
             name = getattr(func, "__name__", str(func))
-            self.calls.append((self.trainer.global_step, self.trainer.fit_loop.epoch_loop._should_accumulate(), name,
-                               f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"))
+            self.calls.append((logging_step(self.trainer), name, f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"))
         return func(*args, **(kwargs or {}))
 
 
@@ -175,25 +177,38 @@ class _Spy(L.Callback):
     def on_train_end(self, trainer, pl_module):
         self.mode.__exit__(None, None, None)
 
+    def syncs(self) -> list[int]:
+        """The logging step of each host synchronisation the monitors made; all must be in _reduce.py."""
+        syncing = [c for c in self.mode.calls if c[1] in _SYNCING]
+        assert {where.split(":")[0] for _, _, where in syncing} == {"_reduce.py"}, syncing
+        return sorted(step for step, _, _ in syncing)
+
 
 def test_one_host_sync_per_logging_step_and_no_work_otherwise(tmp_path):
     x, y = make_data(world=1, accum=1)
     spy = _Spy()
     _fit(tmp_path, "spy", FixedBatchLM(x, y), max_steps=6, callbacks=[spy, *all_monitors(every=3)])
-    calls = spy.mode.calls
-    # Logging steps are 2 and 5; stream/LN flush in on_train_batch_end, after global_step became 3 / 6.
-    assert [c for c in calls if c[0] in (0, 1, 4)] == [], "monitors did work on a step that does not log"
-    syncs = [(c[0], c[3]) for c in calls if c[2] in _SYNCING]
-    assert sorted(s for s, _ in syncs) == [2, 3, 3, 5, 6, 6]  # clip at the step itself, stream + LN after it
-    assert {where.split(":")[0] for _, where in syncs} == {"_reduce.py"}
+    # Logging steps are 2 and 5: one host sync per monitor in each, none and no work at all in the others.
+    assert [c for c in spy.mode.calls if c[0] in (0, 1, 3, 4)] == [], "monitors did work on a step that does not log"
+    assert spy.syncs() == [2, 2, 2, 5, 5, 5]
 
     # With clipping on, the clip monitor works on every step (window statistics) but never syncs there.
     spy = _Spy()
     _fit(tmp_path, "spy_clip", FixedBatchLM(x, y), max_steps=6, gradient_clip_val=0.05,
          callbacks=[spy, *all_monitors(every=3)])
-    calls = spy.mode.calls
-    assert {c[3].split(":")[0] for c in calls if c[0] in (1, 4)} == {"clip.py"}  # step 0 also allocates buffers
-    assert sorted(c[0] for c in calls if c[2] in _SYNCING) == [2, 3, 3, 5, 6, 6]
+    assert {c[2].split(":")[0] for c in spy.mode.calls if c[0] in (1, 4)} == {"clip.py"}  # step 0 also allocates buffers
+    assert spy.syncs() == [2, 2, 2, 5, 5, 5]
+
+
+def test_one_host_sync_per_logging_step_under_manual_optimisation_with_two_optimizers(tmp_path):
+    # Two optimizer steps per batch; still one host sync per monitor and logging step (the clip monitor reduces
+    # both optimizers' statistics together), at Lightning's logging steps 1 and 3.
+    x, y = make_data(world=1, accum=1)
+    spy = _Spy()
+    _fit(tmp_path, "spy_manual", ManualLM(x, y, n_optimizers=2, n_batches=4), max_epochs=1,
+         callbacks=[spy, *all_monitors(every=2)])
+    assert [c for c in spy.mode.calls if c[0] in (0, 2)] == [], "monitors did work on a step that does not log"
+    assert spy.syncs() == [1, 1, 1, 3, 3, 3]
 
 
 def test_packed_stats_named_states_reduce_with_one_sum_one_max_and_one_host_copy(monkeypatch):

@@ -19,102 +19,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from ln_lightning.demo import PostNormTransformerLM
-from ln_lightning.demo.lightning import CharLM
 from ln_lightning.placement import PlacementError, convert, transition
 from ln_lightning.plugin import LNPlacement, load_converted
 
-TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16)
-SEQ = 16
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
-# ---------------------------------------------------------------------------------------------- models
-class TorchEncoderLM(nn.Module):
-    def __init__(self, vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16):
-        super().__init__()
-        self.emb = nn.Embedding(vocab_size, d_model)
-        layer = nn.TransformerEncoderLayer(d_model, n_heads, 2 * d_model, dropout=0.0, batch_first=True)
-        self.enc = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d_model, vocab_size)
-
-    def forward(self, idx):
-        return self.head(self.enc(self.emb(idx)))
-
-
-class BertLM(nn.Module):
-    def __init__(self, vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16):
-        super().__init__()
-        from transformers import BertConfig, BertModel
-
-        cfg = BertConfig(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
-                         intermediate_size=2 * d_model, max_position_embeddings=block_size, hidden_dropout_prob=0.0,
-                         attention_probs_dropout_prob=0.0)
-        self.bert = BertModel(cfg, add_pooling_layer=False)
-        self.head = nn.Linear(d_model, vocab_size)
-
-    def forward(self, idx):
-        return self.head(self.bert(input_ids=idx).last_hidden_state)
-
-
-KINDS = {"demo": PostNormTransformerLM, "torch": TorchEncoderLM, "bert": BertLM}
-
-
-def make(kind: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return KINDS[kind](**TINY)
-
-
-def batch(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, TINY["vocab_size"], (4, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-class LM(CharLM):
-    """CharLM (AdamW + LambdaLR) over any of the three models; records the loss of every training step."""
-
-    def __init__(self, kind: str = "demo", lr: float = 1e-2, seed: int = 0, warmup_steps: int = 2):
-        super().__init__(**TINY, lr=lr, warmup_steps=warmup_steps)
-        self.save_hyperparameters()
-        self.model = make(kind, seed)
-        self.losses: list[float] = []
-
-    def training_step(self, b, batch_idx):
-        loss = self._loss(b)
-        self.losses.append(loss.item())
-        self.log("train/loss", loss)
-        return loss
-
-
-def loader() -> DataLoader:
-    x = batch(1)
-    y = torch.roll(x, -1, dims=1)
-    return DataLoader(TensorDataset(x, y), batch_size=4)  # one batch per epoch: resume is never mid-epoch
-
-
-def loss_of(module: nn.Module, x: torch.Tensor) -> float:
-    with torch.no_grad():
-        logits = module(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), torch.roll(x, -1, dims=1).reshape(-1)).item()
-
-
-def trainer(tmp_path, plugin=None, max_steps=4, callbacks=(), **kw) -> Trainer:
-    return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
-                   plugins=[plugin] if plugin is not None else None, callbacks=list(callbacks),
-                   enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), **kw)
-
-
-class BlendRecorder(Callback):
-    """The blend each training step ran with (after LNPlacement's per-step hook: it is the first callback)."""
-
-    def __init__(self):
-        self.blends: list[float | None] = []
-
-    def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
-        self.blends.append(transition.get_blend(pl_module))
+from _helpers_transition import KINDS, LM, TINY, BlendRecorder, TorchEncoderLM, batch, loader, loss_of, make, rel, trainer
 
 
 # ---------------------------------------------------------------------------------------------- the mechanism
@@ -204,12 +112,12 @@ def test_a_finished_state_dict_finishes_the_transition_it_is_loaded_into():
     done = make("demo")
     transition.begin(done)
     transition.finish(done)
-    from ln_lightning import rewrite_record
+    from ln_lightning.placement import state
 
-    rewrite_record.record(done, {"placement": "pre", "final_norm": True, "branch_scale": None}, ["blocks.0"])
+    state.of(done).mark(done)  # what LNPlacement does: the state_dict then says it was saved from the rewrite
     target = make("demo")
     transition.begin(target)
-    rewrite_record.record(target, {"placement": "pre", "final_norm": True, "branch_scale": None}, ["blocks.0"])
+    state.of(target).mark(target)
     target.load_state_dict(done.state_dict(), strict=False)
     assert transition.active(target) is None and transition.leftovers(target) == []
 
@@ -305,20 +213,23 @@ def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
     trainer(tmp_path / "b", plugin(), max_steps=n // 2, callbacks=[ckpt]).fit(first, train_dataloaders=loader())
     path = next((tmp_path / "ck").glob("*step=2*.ckpt"))
     saved = torch.load(path, weights_only=False)
-    assert saved["state_dict"]["ln_lightning_transition.blend"].item() == 0.25  # the blend step 2 ran with
-    assert saved["state_dict"]["ln_lightning_transition.start_step"].item() == 0
+    # After 2 of 4 steps: 2 steps done, and the blend the next step runs with.
+    assert saved["state_dict"]["ln_lightning_transition.steps_done"].item() == 2
+    assert saved["state_dict"]["ln_lightning_transition.blend"].item() == 0.5
     # Mid-transition, load_converted restores the blend (inference).
     loaded = load_converted(LM("demo"), path)
-    assert transition.get_blend(loaded) == 0.25
+    assert transition.get_blend(loaded) == 0.5
     assert rel(loaded.model(batch(3)), first.model.eval()(batch(3))) <= 1e-6
-    # validate(ckpt_path) on a fresh model runs the checkpoint's blend; without transition_steps it is refused.
-    evaluated = LM("demo")
-    Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-            plugins=[plugin()]).validate(evaluated, dataloaders=loader(), ckpt_path=path)
-    assert transition.get_blend(evaluated) == 0.25
-    with pytest.raises(RuntimeError, match="during a placement transition.*transition_steps=4, transition_schedule='linear'"):
+    # validate(ckpt_path) on a fresh model runs the checkpoint's blend, with or without transition_steps.
+    for p in (plugin(), LNPlacement("pre", fused=False, log_report=False)):
+        evaluated = LM("demo")
         Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                plugins=[LNPlacement("pre", fused=False, log_report=False)]).validate(LM("demo"), dataloaders=loader(), ckpt_path=path)
+                plugins=[p]).validate(evaluated, dataloaders=loader(), ckpt_path=path)
+        assert transition.get_blend(evaluated) == 0.5
+    # Fitting from it without transition_steps would train a blend that never moves: refused, naming the values.
+    with pytest.raises(PlacementError, match="in a placement transition.*transition_steps=4, transition_schedule='linear'"):
+        trainer(tmp_path / "e", LNPlacement("pre", fused=False, log_report=False), max_steps=total).fit(
+            LM("demo"), train_dataloaders=loader(), ckpt_path=path)
     resumed = LM("demo")
     rec = BlendRecorder()
     trainer(tmp_path / "c", plugin(), max_steps=total, callbacks=[rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
@@ -381,7 +292,7 @@ def test_plugin_less_checkpoint_continues_as_pre_norm(final_norm, tmp_path):
     probe = ResumeProbe(x)
     rec = BlendRecorder()
     plugin = LNPlacement("pre", transition_steps=4, resume_unconverted=True, final_norm=final_norm, fused=False, log_report=False)
-    with pytest.warns(UserWarning, match="exactly the function they were trained for at the resume and moves to pre-norm"):
+    with pytest.warns(UserWarning, match="exactly the function they were trained for and moves to pre-norm"):
         trainer(tmp_path, plugin, max_steps=s + 5, callbacks=[probe, rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
     seen = probe.seen
     assert seen["step"] == s and seen["blend"] == 0.0
@@ -456,8 +367,8 @@ def test_blend_is_logged_and_validate_uses_it(tmp_path):
 
     rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
     assert [float(r["ln_placement/transition"]) for r in rows if r.get("ln_placement/transition")] == [0.0, 0.25]
-    # Stopped mid-transition: the model keeps the blend of its last step (0.25), in eval too.
-    assert transition.get_blend(module) == 0.25
+    # Stopped mid-transition after 2 of 4 steps: the model is at the blend its next step would run with, in eval too.
+    assert transition.get_blend(module) == 0.5
     x = batch(3)
     assert rel(module.model.eval()(x), unconverted(x)) > 1e-4  # not the post-norm function any more
     transition.set_blend(module, 0.0)
@@ -569,10 +480,15 @@ def test_dashboard_shows_the_transition_next_to_the_stream_charts(tmp_path):
     from ln_lightning.callbacks import StreamNormMonitor
     from ln_lightning.callbacks.dashboard import monitor_layout
 
-    t = trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), callbacks=[StreamNormMonitor()])
+    # The chart follows the model's rewrite state: there while its transition runs (here: 1 of 3 steps done).
+    t = trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=1,
+                callbacks=[StreamNormMonitor()])
+    with pytest.warns(UserWarning, match="ended during the transition"):
+        t.fit(LM("demo"), train_dataloaders=loader())
     stream = monitor_layout(t)["ln-lightning: residual stream"]
     assert stream["placement transition (0 as trained, 1 converted)"] == ["Multiline", ["ln_placement/transition"]]
-    plain = trainer(tmp_path, LNPlacement("pre", fused=False, log_report=False), callbacks=[StreamNormMonitor()])
+    plain = trainer(tmp_path, LNPlacement("pre", fused=False, log_report=False), max_steps=1, callbacks=[StreamNormMonitor()])
+    plain.fit(LM("demo"), train_dataloaders=loader())
     assert not any("transition" in title for cat in monitor_layout(plain).values() for title in cat)
 
 

@@ -5,9 +5,11 @@
 - `ClipAttributionMonitor`: the gradient norm clipping acts on, its share per parameter group, how often
   clipping fires.
 
-All three reduce across ranks exactly (sums and counts, then divide; min/max), make at most one host
-synchronisation per logging step each and none on other steps, and add a shared TensorBoard
-custom-scalars layout (`ln_lightning.callbacks.dashboard`).
+All three log at the steps, and under the step numbers, of Lightning's own `self.log` (automatic or manual
+optimisation, gradient accumulation, resumed fits), reduce across ranks exactly (sums and counts, then
+divide; min/max), make at most one host synchronisation per logging step each and none on other steps,
+leave no hook or state behind when a fit ends or fails, and add a shared TensorBoard custom-scalars layout
+(`ln_lightning.callbacks.dashboard`). They need neither `LNPlacement` nor its Trainer patch.
 """
 
 from ln_lightning.callbacks.clip import ClipAttributionMonitor

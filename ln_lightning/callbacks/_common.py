@@ -1,6 +1,6 @@
-"""What the three monitors share: their lifecycle (setup, fit start, teardown; off without a logger), the
-logging schedule and forward-hook lifecycle of the activation monitors, module discovery, names, and
-writing to loggers."""
+"""What the three monitors share: their lifecycle (setup, fit start, teardown or exception; off without a
+logger), the logging schedule, the forward-hook lifecycle of the activation monitors, module discovery,
+names, and writing to loggers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
-from ln_lightning import _lightning_patch
+from ln_lightning._namespace import check_same_namespace
 from ln_lightning._warnings import warn
+from ln_lightning.callbacks._lightning_internals import batch_ends_optimizer_step, check_readable, logging_step
 from ln_lightning.callbacks._reduce import PackedStats
 from ln_lightning.callbacks.dashboard import DashboardPart, DepthProfileWriter, write_layout_once
 from ln_lightning.placement import inspect_model
@@ -98,18 +99,23 @@ def metric_safe(name: str) -> str:
 
 
 class MonitorBase(DashboardPart, Callback):
-    """The lifecycle and output shared by the monitors.
+    """The lifecycle, logging schedule and output shared by the monitors.
 
-    Step `s` (0-based optimizer steps, `trainer.global_step` while it runs) is a logging step when
-    `(s + 1) % every_n_steps == 0`: the same steps on which Lightning logs its own training metrics,
-    logged under the same step number. Statistics of a logging step cover every micro-batch of it
-    (gradient accumulation) on every rank.
+    The schedule is Lightning's own. The step number is the one `self.log` and `LearningRateMonitor` log
+    under (`_lightning_internals.logging_step`: optimizer steps under automatic optimisation, with gradient
+    accumulation too; training batches under manual optimisation, whatever the number of optimizers; restored
+    on resume). Step `s` is a logging step when `(s + 1) % every_n_steps == 0`, or when `trainer.should_stop`
+    is set, the rule `self.log` follows. It is decided at the step's first training batch, as
+    `LearningRateMonitor` decides, and the step ends with its last micro-batch: statistics of a logging step
+    cover every micro-batch of it on every rank, and none of a validation run inside it.
 
-    A monitor is enabled from `setup("fit")` to `teardown("fit")`, and only when the Trainer has a
-    logger: with ``logger=False`` nothing would record its metrics, so it does no work at all (the
-    first monitor says so, once). Subclasses implement `_prepare` (at setup), `_start` (at fit start,
-    the model wrapped and on its device) and `_stop` (at teardown), and log through `_log` and
-    `_depth_profile`.
+    A monitor is enabled from `setup("fit")` to `teardown("fit")`, or to `on_exception` (Lightning calls
+    no `teardown` after an exception), and only when the Trainer has a logger: with ``logger=False``
+    nothing would record its metrics, so it does no work at all (the first monitor says so, once). Both
+    ends release everything of the run (`_stop`), and so does `setup` before it starts: a second fit, after
+    a failed one too, starts as in a fresh process. Subclasses implement `_prepare` (at setup), `_start` (at
+    fit start, the model wrapped and on its device), `_begin_logging_step` / `_end_logging_step` and `_stop`,
+    and log through `_log` and `_depth_profile`.
     """
 
     _CATEGORY = ""  # this monitor's category in the custom-scalars layout
@@ -122,6 +128,9 @@ class MonitorBase(DashboardPart, Callback):
         self.log_depth_profile = log_depth_profile
         self._every = 0  # resolved at setup; 0 = never log
         self._enabled = False
+        self._step: int | None = None  # the logging clock at the current step's first batch
+        self._logging = False  # the current step is a logging step
+        self._images = log_depth_profile  # this run's: off once an image fails
         self._profiles = DepthProfileWriter(type(self).__name__)
 
     def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
@@ -133,10 +142,13 @@ class MonitorBase(DashboardPart, Callback):
 
     # -- lifecycle ------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _lightning_patch.check_same_namespace(trainer, self)
+        check_same_namespace(trainer, self)
         if stage != "fit":
             return
+        self._release()  # whatever an earlier fit left, had it ended without teardown or on_exception
+        check_readable(trainer)
         self._every = self.every_n_steps if self.every_n_steps is not None else int(trainer.log_every_n_steps or 0)
+        self._images = self.log_depth_profile
         self._enabled = bool(trainer.loggers)
         if not self._enabled:
             _say_no_logger(trainer, self)
@@ -150,8 +162,16 @@ class MonitorBase(DashboardPart, Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._enabled = False
-            self._stop()
+            self._release()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown after an exception: let go here (in any stage; a no-op when not fitting).
+        self._release()
+
+    def _release(self) -> None:
+        self._enabled = self._logging = False
+        self._step = None
+        self._stop()
 
     def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """At setup("fit"), with a logger: what can be done before the model is wrapped."""
@@ -160,12 +180,33 @@ class MonitorBase(DashboardPart, Callback):
         """At fit start: what needs the final model and its device."""
 
     def _stop(self) -> None:
-        """At teardown("fit"): let go of hooks and buffers."""
+        """At the end of a fit (teardown or exception) and before the next: let go of hooks, buffers and every
+        per-run state, so that the next fit starts as in a fresh process. Must not raise."""
 
-    # -- schedule and output --------------------------------------------------------------------
-    def _is_log_step(self, step: int) -> bool:
-        return self._enabled and self._every > 0 and (step + 1) % self._every == 0
+    # -- schedule -------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._enabled:
+            return
+        step = logging_step(trainer)
+        if step == self._step:  # a later micro-batch of the same optimizer step
+            return
+        self._step = step
+        self._logging = self._every > 0 and ((step + 1) % self._every == 0 or bool(trainer.should_stop))
+        if self._logging:
+            self._begin_logging_step(trainer, pl_module, step)
 
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._logging and batch_ends_optimizer_step(trainer):
+            self._logging = False
+            self._end_logging_step(trainer, pl_module, self._step)
+
+    def _begin_logging_step(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        """At the first training batch of logging step `step`."""
+
+    def _end_logging_step(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        """At the last training batch of logging step `step`, after its optimizer step(s): log."""
+
+    # -- output ---------------------------------------------------------------------------------
     def _log(self, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
         if trainer.is_global_zero and metrics:
             for logger in trainer.loggers:
@@ -173,8 +214,8 @@ class MonitorBase(DashboardPart, Callback):
 
     def _depth_profile(self, trainer: Trainer, tag: str, step: int, **plot_kwargs) -> None:
         """A depth-profile image (see `dashboard.DepthProfilePlot.render_image` for the arguments)."""
-        if self.log_depth_profile:
-            self.log_depth_profile = self._profiles.write(trainer, tag, step, **plot_kwargs)
+        if self._images:
+            self._images = self._profiles.write(trainer, tag, step, **plot_kwargs)
 
 
 def _say_no_logger(trainer: Trainer, monitor: MonitorBase) -> None:
@@ -196,7 +237,7 @@ class ActivationMonitor(MonitorBase):
     `self._active`, a plain bool that is True only inside a logging step's training batches (not during
     validation), so a step that does not log costs one attribute check per hook. The statistics live
     in one `PackedStats`, allocated at fit start, reset at the start of each logging step and reduced
-    across ranks at its end.
+    across ranks at its end. The hooks are removed when the fit ends, by teardown or by an exception.
 
     Subclasses implement `_targets` (the modules to hook), `_make_hook`, `_declare` (the statistics'
     states) and `_report` (metrics and depth-profile panels from the reduced statistics), and set
@@ -212,9 +253,7 @@ class ActivationMonitor(MonitorBase):
         self._handles: list[Any] = []
         self._stats: PackedStats | None = None
         self._active = False  # the gate the hooks read
-        self._paused = False
-        self._step_at_start = -1
-        self._log_step = -1
+        self._paused = False  # the gate's value while a validation run inside a logging step has it closed
 
     # -- subclass API ---------------------------------------------------------------------------
     def _targets(self, pl_module: LightningModule) -> list[tuple[str, nn.Module]]:
@@ -240,8 +279,7 @@ class ActivationMonitor(MonitorBase):
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self._handles:
-            self._register(pl_module)
+        self._register(pl_module)  # setup released any earlier fit's hooks
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._handles:
@@ -255,11 +293,10 @@ class ActivationMonitor(MonitorBase):
         self._stats.reset()  # allocates now, not in the first logging step
 
     def _stop(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._stats = None
         self._active = self._paused = False
+        while self._handles:
+            self._handles.pop().remove()
+        self._stats = None
 
     def _register(self, pl_module: LightningModule) -> None:
         targets = self._targets(pl_module)
@@ -275,24 +312,20 @@ class ActivationMonitor(MonitorBase):
             self._handles.append(handle)
 
     # -- schedule -------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if not self._active and self._stats is not None and self._is_log_step(step):
+    def _begin_logging_step(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        if self._stats is not None:
             self._stats.reset()
             self._active = True
-            self._log_step = step
-        self._step_at_start = step
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # The step is complete once the optimizer has stepped (not after a mere accumulation micro-batch).
-        if self._active and trainer.global_step != self._step_at_start:
-            self._active = False
-            step = self._log_step
-            metrics, panels = self._report(self._stats.reduce_to_host(across_ranks=trainer.world_size > 1), step)
-            self._log(trainer, metrics, step)
-            tag, title, xlabel = self._PROFILE
-            self._depth_profile(trainer, tag, step, title=f"{title} (step {step})", panels=panels,
-                                xlabels=[str(i) for i in range(len(self._paths))], xlabel=xlabel)
+    def _end_logging_step(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        if self._stats is None:
+            return
+        self._active = False
+        metrics, panels = self._report(self._stats.reduce_to_host(across_ranks=trainer.world_size > 1), step)
+        self._log(trainer, metrics, step)
+        tag, title, xlabel = self._PROFILE
+        self._depth_profile(trainer, tag, step, title=f"{title} (step {step})", panels=panels,
+                            xlabels=[str(i) for i in range(len(self._paths))], xlabel=xlabel)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._paused, self._active = self._active, False

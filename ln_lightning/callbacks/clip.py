@@ -100,7 +100,8 @@ class ClipAttributionMonitor(MonitorBase):
     r"""Attribute the gradient norm that clipping acts on to parameter groups.
 
     At each optimizer step, in ``on_before_optimizer_step`` (gradients accumulated, unscaled by AMP's
-    GradScaler, not yet clipped), over the optimizer's parameters:
+    GradScaler, not yet clipped), over the optimizer's parameters; logged at the steps, and under the
+    step numbers, of Lightning's own ``self.log``:
 
     - ``clip/total_norm``: the 2-norm of all gradients, equal to what ``torch.nn.utils.clip_grad_norm_``
       returns (sharded FSDP/FSDP2 gradients are reduced across shards first),
@@ -122,13 +123,21 @@ class ClipAttributionMonitor(MonitorBase):
     wrapper prefixes (``_forward_module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``, a leading
     ``module.``) removed.
 
-    Cost: on logging steps one ``torch._foreach_norm`` over the gradients, two small all-reduces and
-    one host copy; on other steps, only when clipping is configured, the ``_foreach_norm`` and a
-    scatter into a device buffer (no collective, no host sync).
+    With several optimizers (manual optimisation), each optimizer's step is attributed on its own, over its
+    own parameters, and its metrics are named ``clip/optimizer_K/...`` (``K`` its index in
+    ``trainer.optimizers``, as ``self.optimizers()`` orders them): ``clip/optimizer_1/total_norm``,
+    ``clip/optimizer_1/share/GROUP``. An optimizer that did not step in a logging step logs nothing for it;
+    one that stepped more than once logs its last step.
+
+    Cost: on logging steps one ``torch._foreach_norm`` over the gradients of each optimizer step, and, for
+    all optimizers together, two small all-reduces and one host copy at the end of the step; on other
+    steps, only when clipping is configured, the ``_foreach_norm`` and a scatter into a device buffer (no
+    collective, no host sync).
 
     Args:
         groups: ``None``, a ``{group: regex}`` mapping, or a ``param_name -> group`` function.
-        every_n_steps: logging interval in optimizer steps; ``None`` uses ``trainer.log_every_n_steps``.
+        every_n_steps: logging interval in Lightning's logging steps (optimizer steps; training batches under
+            manual optimisation); ``None`` uses ``trainer.log_every_n_steps``.
         track_window: compute the per-window statistics (the only per-step work); needs clipping configured.
         log_depth_profile: also log a bar chart image of the shares by group.
 
@@ -165,20 +174,20 @@ class ClipAttributionMonitor(MonitorBase):
         self.track_window = track_window
         self._group_fn: Callable[[str], str | None] | None = None
         self._plans: dict[int, _Plan] = {}
+        self._optimizers: list = []  # slot k: trainer.optimizers[k] (then any other optimizer seen stepping)
         self._stats: PackedStats | None = None
         self._stats_key: tuple | None = None
-        self._row = 0
-        self._window_steps = 0
+        self._cap = 1
+        # Per slot: rows written (the next row, modulo the cap), steps since the last log, stepped in this logging step.
+        self._rows: list[int] = []
+        self._window_steps: list[int] = []
+        self._stepped: list[bool] = []
         self._plain_grads_sharded = False
         self._plain_weight = 1.0
-        self._cap = 1
         self._manual_warned = False
 
     # -- lifecycle --------------------------------------------------------------------------
     def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._plans.clear()
-        self._stats = None
-        self._row = self._window_steps = 0
         if self._group_fn_user is None:
             blocks, _ = discover_blocks(pl_module)
             self._group_fn = default_group_fn(pl_module, blocks)
@@ -207,7 +216,11 @@ class ClipAttributionMonitor(MonitorBase):
 
     def _stop(self) -> None:
         self._plans.clear()
-        self._stats = None
+        self._optimizers.clear()
+        self._stats = self._stats_key = None
+        self._rows, self._window_steps, self._stepped = [], [], []
+        self._plain_grads_sharded, self._plain_weight = False, 1.0
+        self._manual_warned = False  # said once per fit
 
     # -- groups -----------------------------------------------------------------------------
     def _plan_for(self, pl_module: LightningModule, optimizer) -> _Plan:
@@ -292,11 +305,12 @@ class ClipAttributionMonitor(MonitorBase):
 
     # -- the step ----------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
-        step = trainer.global_step
-        log = self._is_log_step(step)
+        if not self._enabled:
+            return
+        log = self._logging  # decided at the step's first batch (MonitorBase)
         clip_val = trainer.gradient_clip_val
         clipping = clip_val is not None and float(clip_val) > 0
-        window = self._enabled and self.track_window and clipping
+        window = self.track_window and clipping
         if not (log or window):
             return
         if not pl_module.automatic_optimization and not self._manual_warned:
@@ -305,18 +319,20 @@ class ClipAttributionMonitor(MonitorBase):
                 "ClipAttributionMonitor under manual optimization sees gradients when optimizer.step() runs, "
                 "after any clipping done in training_step."
             )
-        value_mode = clipping and str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)) == "value"
+        value_mode = clipping and _value_clipping(trainer)
+        slot = self._slot_of(trainer, optimizer)
         plan = self._plan_for(pl_module, optimizer)
         n_groups = len(plan.groups)
         device = pl_module.device
-        stats = self._ensure_stats(n_groups, device, value_mode, window)
-        cap = self._cap
-        row = self._row % cap
-        self._row += 1
-        self._window_steps += 1
+        stats = self._ensure_stats(pl_module, device, value_mode, window)
+        row = self._rows[slot] % self._cap
+        self._rows[slot] += 1
+        self._window_steps[slot] += 1
+        if log:
+            self._stepped[slot] = True
 
         grads, mask, present = self._local_grads(plan)
-        sq_sharded, sq_replicated = stats["sq_sharded"][row], stats["sq_replicated"][row]
+        sq_sharded, sq_replicated = stats[f"sq_sharded/{slot}"][row], stats[f"sq_replicated/{slot}"][row]
         if grads:
             slots, weights, numels, groups = self._index_tensors(plan, mask, present, device, grads)
             with torch.no_grad():
@@ -327,7 +343,7 @@ class ClipAttributionMonitor(MonitorBase):
                 sq_sharded.copy_(sq[_SHARDED])
                 sq_replicated.copy_(sq[_REPLICATED])
                 if value_mode:
-                    amax_row = stats["amax"][row]
+                    amax_row = stats[f"amax/{slot}"][row]
                     amax = torch.stack([n.to(device) for n in torch._foreach_norm(grads, float("inf"), dtype=torch.float32)]).double()
                     amax_row.fill_(float("-inf"))
                     amax_row.scatter_reduce_(0, groups, amax, reduce="amax")
@@ -337,80 +353,109 @@ class ClipAttributionMonitor(MonitorBase):
                         counts[0].view(-1).index_add_(0, slots, clipped)
                         counts[1].view(-1).index_add_(0, slots, numels)
                         for k, what in enumerate(("clipped", "numel")):
-                            stats[f"{what}_sharded"].copy_(counts[k, _SHARDED])
-                            stats[f"{what}_replicated"].copy_(counts[k, _REPLICATED])
+                            stats[f"{what}_sharded/{slot}"].copy_(counts[k, _SHARDED])
+                            stats[f"{what}_replicated/{slot}"].copy_(counts[k, _REPLICATED])
         else:
             sq_sharded.zero_()
             sq_replicated.zero_()
             if value_mode:
-                stats["amax"][row].fill_(float("-inf"))  # no gradient: nothing to clip
+                stats[f"amax/{slot}"][row].fill_(float("-inf"))  # no gradient: nothing to clip
                 if log:  # nor any count: this rank adds zeros to the all-reduce, not the last window's counts
                     for what in ("clipped", "numel"):
-                        stats[f"{what}_sharded"].zero_()
-                        stats[f"{what}_replicated"].zero_()
-        if log:
-            self._flush_clip(trainer, plan, step, clip_val if clipping else None, value_mode, window)
+                        stats[f"{what}_sharded/{slot}"].zero_()
+                        stats[f"{what}_replicated/{slot}"].zero_()
 
-    def _ensure_stats(self, n_groups: int, device: torch.device, value_mode: bool, window: bool) -> PackedStats:
+    def _end_logging_step(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        # One reduction and host copy for every optimizer step of this logging step (and the window's rows).
+        if self._stats is None:  # no optimizer step yet in this fit (the same on every rank)
+            return
+        clip_val = trainer.gradient_clip_val
+        clipping = clip_val is not None and float(clip_val) > 0
+        host = self._stats.reduce_to_host(across_ranks=trainer.world_size > 1)
+        for slot, optimizer in enumerate(self._optimizers):
+            if self._stepped[slot]:
+                plan = self._plans[id(optimizer)]
+                prefix = "clip/" if len(self._optimizers) == 1 else f"clip/optimizer_{slot}/"
+                self._report(trainer, host, slot, plan, prefix, step, clip_val if clipping else None,
+                             clipping and _value_clipping(trainer), self.track_window and clipping)
+            self._rows[slot] = self._window_steps[slot] = 0
+            self._stepped[slot] = False
+
+    def _slot_of(self, trainer: Trainer, optimizer) -> int:
+        if not self._optimizers:
+            self._optimizers.extend(trainer.optimizers)
+        slot = next((k for k, o in enumerate(self._optimizers) if o is optimizer), None)
+        if slot is None:  # an optimizer the Trainer does not hold (stepped by hand): one slot more
+            self._optimizers.append(optimizer)
+            slot = len(self._optimizers) - 1
+        return slot
+
+    def _ensure_stats(self, pl_module: LightningModule, device: torch.device, value_mode: bool, window: bool) -> PackedStats:
         # One row per step of the logging window; per-step collectives are avoided by reducing all rows at the log.
         cap = max(1, self._every) if window else 1
-        key = (n_groups, str(device), value_mode, cap)
+        # The stepping optimizer's plan is current (`_plan_for` just checked it); the others' as of their last step.
+        plans = [self._plans.get(id(o)) or self._plan_for(pl_module, o) for o in self._optimizers]
+        key = (tuple(len(p.groups) for p in plans), str(device), value_mode, cap)
         if self._stats is None or self._stats_key != key:
             stats = PackedStats(device)
-            # Squared gradient norm per step and group. Replicated rows start at 0, not -inf: a group may be
-            # absent on every rank.
-            stats.add_state("sq_sharded", (cap, n_groups), SUM)
-            stats.add_state("sq_replicated", (cap, n_groups), MAX, default=0.0)
-            if value_mode:
-                stats.add_state("amax", (cap, n_groups), MAX)  # largest |g| per step and group
-                for what in ("clipped", "numel"):  # elements with |g| > clip_val, and all elements, at the logging step
-                    stats.add_state(f"{what}_sharded", n_groups, SUM)
-                    stats.add_state(f"{what}_replicated", n_groups, MAX, default=0.0)
+            for slot, plan in enumerate(plans):
+                n_groups = len(plan.groups)
+                # Squared gradient norm per step and group. Replicated rows start at 0, not -inf: a group may be
+                # absent on every rank.
+                stats.add_state(f"sq_sharded/{slot}", (cap, n_groups), SUM)
+                stats.add_state(f"sq_replicated/{slot}", (cap, n_groups), MAX, default=0.0)
+                if value_mode:
+                    stats.add_state(f"amax/{slot}", (cap, n_groups), MAX)  # largest |g| per step and group
+                    for what in ("clipped", "numel"):  # elements with |g| > clip_val, and all elements, at the logging step
+                        stats.add_state(f"{what}_sharded/{slot}", n_groups, SUM)
+                        stats.add_state(f"{what}_replicated/{slot}", n_groups, MAX, default=0.0)
             stats.reset()
             self._stats, self._stats_key, self._cap = stats, key, cap
-            self._row = self._window_steps = 0
+            n = len(plans)
+            self._rows, self._window_steps, self._stepped = [0] * n, [0] * n, [False] * n
         return self._stats
 
-    def _flush_clip(self, trainer: Trainer, plan: _Plan, step: int, clip_val: float | None, value_mode: bool, window: bool) -> None:
+    def _report(self, trainer: Trainer, host: dict, slot: int, plan: _Plan, prefix: str, step: int,
+                clip_val: float | None, value_mode: bool, window: bool) -> None:
+        """Log the metrics of `slot`'s optimizer for logging step `step`, from the reduced statistics."""
         n_groups = len(plan.groups)
         cap = self._cap
-        host = self._stats.reduce_to_host(across_ranks=trainer.world_size > 1)
-        n_rows = min(self._window_steps, cap)
-        last = (self._row - 1) % cap
+        n_rows = min(self._window_steps[slot], cap)
+        last = (self._rows[slot] - 1) % cap
         rows = [(last - k) % cap for k in range(n_rows)]  # newest first
 
         def group_sq(r: int) -> list[float]:
-            return [a + b for a, b in zip(host["sq_sharded"][r], host["sq_replicated"][r])]
+            return [a + b for a, b in zip(host[f"sq_sharded/{slot}"][r], host[f"sq_replicated/{slot}"][r])]
 
         current = group_sq(last)
         total_sq = sum(current)
         # As clip_grad_norm_: inf when a gradient is infinite, NaN only when one is NaN (sqrt keeps both).
         total = math.sqrt(total_sq)
-        metrics: dict[str, float] = {"clip/total_norm": total}
+        metrics: dict[str, float] = {f"{prefix}total_norm": total}
         shares: list[float] = []
         if math.isfinite(total_sq) and total_sq > 0:
             shares = [s / total_sq for s in current]
             for name, share in zip(plan.groups, shares):
-                metrics[f"clip/share/{metric_safe(name)}"] = share
+                metrics[f"{prefix}share/{metric_safe(name)}"] = share
         if clip_val is not None and not value_mode:
             coef = min(1.0, clip_val / total) if total > 0 else 1.0
-            metrics["clip/coef"] = coef if math.isfinite(total) else float("nan")
-            metrics["clip/clipped"] = float(math.isfinite(total) and total > clip_val)
+            metrics[f"{prefix}coef"] = coef if math.isfinite(total) else float("nan")
+            metrics[f"{prefix}clipped"] = float(math.isfinite(total) and total > clip_val)
         if value_mode:
             any_clipped = False
             for g, name in enumerate(plan.groups):
-                clipped = host["clipped_sharded"][g] + host["clipped_replicated"][g]
-                numel = host["numel_sharded"][g] + host["numel_replicated"][g]
-                metrics[f"clip/value_fraction/{metric_safe(name)}"] = clipped / numel if numel > 0 else 0.0
+                clipped = host[f"clipped_sharded/{slot}"][g] + host[f"clipped_replicated/{slot}"][g]
+                numel = host[f"numel_sharded/{slot}"][g] + host[f"numel_replicated/{slot}"][g]
+                metrics[f"{prefix}value_fraction/{metric_safe(name)}"] = clipped / numel if numel > 0 else 0.0
                 any_clipped |= clipped > 0
-            metrics["clip/clipped"] = float(any_clipped)
+            metrics[f"{prefix}clipped"] = float(any_clipped)
         if window and clip_val is not None:
             fired = 0
             nonfinite = 0
             dominant = [0] * n_groups
             for r in rows:
                 if value_mode:
-                    amax = host["amax"][r]
+                    amax = host[f"amax/{slot}"][r]
                     if not all(math.isfinite(a) or a == float("-inf") for a in amax):
                         nonfinite += 1
                         continue
@@ -426,19 +471,18 @@ class ClipAttributionMonitor(MonitorBase):
                     if math.sqrt(t) > clip_val:
                         fired += 1
                         dominant[max(range(n_groups), key=sq.__getitem__)] += 1
-            metrics["clip/fired_fraction"] = fired / n_rows if n_rows else 0.0
-            metrics["clip/nonfinite_steps"] = float(nonfinite)
+            metrics[f"{prefix}fired_fraction"] = fired / n_rows if n_rows else 0.0
+            metrics[f"{prefix}nonfinite_steps"] = float(nonfinite)
             if fired:
                 for name, d in zip(plan.groups, dominant):
-                    metrics[f"clip/dominant/{metric_safe(name)}"] = d / fired
+                    metrics[f"{prefix}dominant/{metric_safe(name)}"] = d / fired
         else:
-            metrics["clip/nonfinite_steps"] = float(not math.isfinite(total_sq))
-        self._row = self._window_steps = 0
+            metrics[f"{prefix}nonfinite_steps"] = float(not math.isfinite(total_sq))
         self._log(trainer, metrics, step)
         if shares:
             self._depth_profile(
                 trainer,
-                "clip/share_profile",
+                f"{prefix}share_profile",
                 step,
                 title=f"share of squared gradient norm by group (step {step})",
                 panels=[("share of |g|^2", {"share": shares}, False)],
@@ -448,11 +492,17 @@ class ClipAttributionMonitor(MonitorBase):
             )
 
     def _charts(self, trainer: Trainer) -> dict[str, str]:
-        charts = {"clip total norm": r"^clip/total_norm$", "clip share by group": r"^clip/share/"}
+        # `(optimizer_K/)?`: with several optimizers each has its own lines in the same charts.
+        charts = {"clip total norm": r"^clip/(optimizer_\d+/)?total_norm$", "clip share by group": r"^clip/(optimizer_\d+/)?share/"}
         clip_val = trainer.gradient_clip_val
-        if clip_val is not None and float(clip_val) > 0:
+        if clip_val is not None and float(clip_val) > 0:  # automatic optimisation only: one optimizer
             charts["clip coef, clipped, fired fraction"] = r"^clip/(coef|clipped|fired_fraction)$"
             charts["clip dominant group (fired steps)"] = r"^clip/dominant/"
-            if str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)) == "value":
+            if _value_clipping(trainer):
                 charts["value-clipped fraction by group"] = r"^clip/value_fraction/"
         return charts
+
+
+def _value_clipping(trainer: Trainer) -> bool:
+    """Whether the Trainer clips by value (`gradient_clip_algorithm="value"`), not by norm."""
+    return str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)) == "value"

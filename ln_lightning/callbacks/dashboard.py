@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -20,10 +21,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
 
 from ln_lightning._warnings import info, warn
-from ln_lightning._lightning_patch import find_placements  # the Trainer's LNPlacement, given as a plugin or a callback
+from ln_lightning.callbacks._placement_lookup import placement_transition_configured
 
 _log = logging.getLogger(__name__)
-_WRITTEN_ATTR = "_ln_lightning_layout_written"
+# Kept here, not as attributes on the user's writers and Trainers; weak, so they go with them.
+_LAYOUT_WRITTEN: weakref.WeakSet = weakref.WeakSet()  # writers that have our custom-scalars layout
+_SAID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Trainer -> topics already said to it
 
 
 class DashboardPart:
@@ -45,7 +48,7 @@ def monitor_layout(trainer: Trainer) -> dict[str, dict[str, list]]:
             for category, charts in cb.dashboard_charts(trainer).items():
                 layout.setdefault(category, {}).update(charts)
     # A placement transition in progress (LNPlacement(transition_steps=N)): its blend next to the stream charts.
-    if layout and any(getattr(p, "transition_steps", None) for p in find_placements(trainer)):
+    if layout and placement_transition_configured(trainer):
         category = next((c for c in layout if "residual stream" in c), "ln-lightning: placement")
         layout.setdefault(category, {})["placement transition (0 as trained, 1 converted)"] = ["Multiline", ["ln_placement/transition"]]
     return layout
@@ -55,7 +58,7 @@ def write_layout_once(trainer: Trainer) -> None:
     """Write `monitor_layout(trainer)` to every TensorBoard writer of the trainer, once per writer, on rank 0."""
     if not trainer.is_global_zero:
         return
-    writers = [w for w in _experiments(trainer, "add_custom_scalars") if not getattr(w, _WRITTEN_ATTR, False)]
+    writers = [w for w in _experiments(trainer, "add_custom_scalars") if w not in _LAYOUT_WRITTEN]
     if not writers:
         return
     layout = monitor_layout(trainer)
@@ -63,7 +66,7 @@ def write_layout_once(trainer: Trainer) -> None:
         return
     for writer in writers:
         writer.add_custom_scalars(layout)
-        setattr(writer, _WRITTEN_ATTR, True)
+        _LAYOUT_WRITTEN.add(writer)
 
 
 def _experiments(trainer: Trainer, method: str, others: list[str] | None = None) -> list[Any]:
@@ -135,7 +138,7 @@ class DepthProfileWriter:
 
 def _say_once(trainer: Trainer, key: str, message: str) -> None:
     """One info line per Trainer and topic, however many monitors run into it."""
-    said = trainer.__dict__.setdefault("_ln_lightning_said", set())
+    said = _SAID.setdefault(trainer, set())
     if key not in said:
         said.add(key)
         info(_log, message)

@@ -16,6 +16,7 @@ from ln_lightning._warnings import info, warn
 from ln_lightning.callbacks._common import ActivationMonitor, first_tensor, metric_safe, normalize_name
 from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats
 from ln_lightning.norm import FusedAddLayerNorm, FusedAddRMSNorm, explain_norm, recognize_norm
+from ln_lightning.placement.hooks import normalization_weight
 
 _log = logging.getLogger(__name__)
 
@@ -51,8 +52,14 @@ class LayerNormInputMonitor(ActivationMonitor):
 
     A rank-zero warning, rate-limited, names the norms whose ``amp_max`` passes
     ``warn_amp_fraction * 1/sqrt(eps)``. ``NORM`` is the module path relative to the LightningModule.
+    Metrics are logged at the steps, and under the step numbers, of Lightning's own ``self.log``.
     Rows of all micro-batches of the logged step on all ranks are pooled exactly (sums and row counts
     all-reduced, minimum across ranks).
+
+    During a placement transition (``LNPlacement(transition_steps=N)``) a norm normalises twice, at its own
+    call site (weighing ``1 - a`` in the function) and at its branch's entries (weighing ``a``); each row is
+    weighted by that (``ln_lightning.placement.hooks.normalization_weight``) and rows of weight 0 are left out,
+    so the statistics are exactly the unconverted model's at blend 0 and the converted model's at blend 1.
 
     RMSNorms (``nn.RMSNorm``, ``FusedRMSNorm`` and every module ``recognize_norm`` finds to be an
     RMSNorm: Hugging Face's ``LlamaRMSNorm``, ``Gemma2RMSNorm``, ``T5LayerNorm``, ...) divide by the
@@ -67,7 +74,8 @@ class LayerNormInputMonitor(ActivationMonitor):
     Args:
         norm_classes: extra module classes to monitor (a class or a sequence of them); they must have ``normalized_shape`` and ``eps``
             attributes with ``nn.LayerNorm``'s meaning.
-        every_n_steps: logging interval in optimizer steps; ``None`` uses ``trainer.log_every_n_steps``.
+        every_n_steps: logging interval in Lightning's logging steps (optimizer steps; training batches under
+            manual optimisation); ``None`` uses ``trainer.log_every_n_steps``.
         warn_amp_fraction: warn when ``amp_max > warn_amp_fraction / sqrt(eps)``; ``None`` disables warnings.
         warn_cooldown: logging steps before the same norm is warned about again.
         log_depth_profile: also log an image of ``var_min``, ``var_mean`` and ``amp_max`` against norm index.
@@ -157,6 +165,11 @@ class LayerNormInputMonitor(ActivationMonitor):
             info(_log, f"LayerNormInputMonitor: monitoring {len(targets)} norms ({n_rms} RMSNorm)")
         return targets
 
+    def _stop(self) -> None:
+        super()._stop()
+        self._last_warned.clear()  # the warning cooldown counts this fit's logging steps
+        self._n_logs = 0
+
     def _nothing_found(self) -> str:
         return "LayerNormInputMonitor found no LayerNorm modules and will log nothing."
 
@@ -190,11 +203,22 @@ class LayerNormInputMonitor(ActivationMonitor):
                         x = x + residual.detach().float()
                 # RMSNorm: the mean square it divides by; LayerNorm: the variance
                 stat = x.square().mean(dim=dims) if rms else torch.var(x, dim=dims, correction=0)
-                s["stat_sum"][index] += stat.sum(dtype=torch.float64)
-                s["nonfinite"][index] += stat.numel() - torch.isfinite(stat).sum()
-                s["rows"][index] += stat.numel()
                 neg_min = s["neg_stat_min"][index : index + 1]
-                torch.maximum(neg_min, (-stat.amin()).to(neg_min), out=neg_min)
+                weight = normalization_weight(module)
+                if weight is None:
+                    s["stat_sum"][index] += stat.sum(dtype=torch.float64)
+                    s["nonfinite"][index] += stat.numel() - torch.isfinite(stat).sum()
+                    s["rows"][index] += stat.numel()
+                    torch.maximum(neg_min, (-stat.amin()).to(neg_min), out=neg_min)
+                else:
+                    # Mid-transition: what this normalisation weighs in the function (0 where it does not count),
+                    # so the statistics are the plugin-less model's at blend 0 and the converted one's at 1.
+                    w = weight.detach().to(torch.float64)
+                    counts = w > 0
+                    s["stat_sum"][index] += torch.where(counts, stat.sum(dtype=torch.float64) * w, 0.0)
+                    s["nonfinite"][index] += (stat.numel() - torch.isfinite(stat).sum()) * counts
+                    s["rows"][index] += stat.numel() * w
+                    torch.maximum(neg_min, torch.where(counts, -stat.amin(), -torch.inf).to(neg_min), out=neg_min)
 
         return hook
 

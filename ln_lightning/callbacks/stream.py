@@ -34,14 +34,16 @@ class StreamNormMonitor(ActivationMonitor):
     - ``stream/nonfinite_count``: non-finite elements in the monitored block outputs.
 
     ``BLOCK`` is the block's module path relative to the LightningModule (``model.blocks.3``).
-    Values cover every micro-batch of the logged optimizer step on every rank: sums of squares and
+    Metrics are logged at the steps, and under the step numbers, of Lightning's own ``self.log``. Values
+    cover every micro-batch of the logged optimizer step on every rank: sums of squares and
     element counts are all-reduced before dividing, so they equal one process computing on all
     ranks' data. Forward hooks are registered once in ``setup`` (before DDP/FSDP wrapping and before
     a ``torch.compile`` in ``configure_model``) and return at once on steps that do not log.
 
     Args:
         blocks: module paths to monitor; ``None`` monitors every residual block ``inspect_model`` finds.
-        every_n_steps: logging interval in optimizer steps; ``None`` uses ``trainer.log_every_n_steps``.
+        every_n_steps: logging interval in Lightning's logging steps (optimizer steps; training batches under
+            manual optimisation); ``None`` uses ``trainer.log_every_n_steps``.
         log_depth_profile: also log an image of rms and update ratio against block index.
 
     Example::
@@ -85,6 +87,10 @@ class StreamNormMonitor(ActivationMonitor):
         if targets:
             info(_log, f"StreamNormMonitor: monitoring {len(targets)} blocks ({self._discovery})")
         return targets
+
+    def _stop(self) -> None:
+        super()._stop()
+        self._shape_warned.clear()  # warned once per fit
 
     def _nothing_found(self) -> str:
         return (f"StreamNormMonitor found no residual blocks to monitor ({self._discovery}) and will log nothing. "

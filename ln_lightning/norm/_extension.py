@@ -6,7 +6,9 @@ and ninja; about 30 s once, cached in ``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``; concurrent processes wait for one build). Flags follow the CPU
 capability PyTorch itself dispatches to (AVX512, AVX2 or the baseline), and the capability is part
 of the extension's name, so a cache shared between different machines never loads code built for
-another instruction set.
+another instruction set. So is a hash of the source: two installed versions of ln_lightning (two
+venvs, an upgrade while a run goes on) never load each other's build, whose functions may take
+other arguments.
 
 When the build is impossible (no compiler, no ninja, a failed compile) the torch backend keeps
 using aten and one warning says why and how to fix it. ``LN_LIGHTNING_CPU_KERNELS=0`` turns the
@@ -17,6 +19,7 @@ code (tests, benchmarks).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -54,9 +57,10 @@ def build_extension(name: str, source: Path, what: str):
     from torch.utils.cpp_extension import _get_build_directory, load
 
     cap = _capability()
-    name = f"{name}_{cap.lower()}"
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
+    name = f"{name}_{cap.lower()}_{digest}"
     if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-        # Announce the one-time stall (a changed source rebuilds too, unannounced; it is rare).
+        # Announce the one-time stall (a changed source gets a new name, so it is announced too).
         _log.warning(
             "ln_lightning: compiling the CPU %s kernels for %s (once per machine, about 30 s; "
             "set %s=0 to use aten's kernels instead)", what, cap, ENV_VAR,

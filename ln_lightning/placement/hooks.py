@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -37,6 +38,44 @@ def bypassed() -> bool:
 def normalizing() -> bool:
     """True inside a deferred norm's own normalisation (the recorder tells our reads from the user's)."""
     return getattr(_state, "normalizing", 0) > 0
+
+
+WEIGHT_ATTR = "ln_lightning_blend_weight"  # a norm's instance attribute: its normalisations weigh the blend `a`
+
+
+def normalization_weight(norm: nn.Module) -> torch.Tensor | None:
+    """The weight the normalisation `norm` is doing right now has in the model's function, for monitors.
+
+    Outside a placement transition None (weight 1). During one, a deferred norm normalises at its own call
+    site (weight `1 - a`) and at its branch's entries (weight `a`), a norm the conversion added (a final norm,
+    peri's output norm) weighs `a`: a monitor that weights what it sees by this reports the function being
+    computed (at `a = 0` exactly the model before the conversion). A 0-dim tensor on the blend's device.
+    """
+    w = getattr(_state, "weight", None)
+    if w is not None:
+        return w
+    t = norm.__dict__.get(WEIGHT_ATTR)
+    return None if t is None else t.blend
+
+
+@contextlib.contextmanager
+def _weighted(weight: torch.Tensor):
+    old = getattr(_state, "weight", None)
+    _state.weight = weight
+    try:
+        yield
+    finally:
+        _state.weight = old
+
+
+def weighted(norm: nn.Module, weight: torch.Tensor):
+    """A context in which `norm`'s normalisations weigh `weight` (see `normalization_weight`); the transition's.
+
+    Only when something watches the norm (a forward pre-hook: a monitor): otherwise nothing is written, so a
+    compiled or exported model has no thread-local state to trace.
+    """
+    watched = norm.__dict__.get("_ln_pre_hooks") or norm._forward_pre_hooks
+    return _weighted(weight) if watched else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -82,7 +121,9 @@ class DeferredNorm:
         # the attribute is set on the instance by transition.start and removed by transition.finish.
         t = self.__dict__.get("ln_lightning_transition")
         if t is not None:  # a real normalisation (weighted 1-a): through normalize, so hooks and monitors see it
-            return t.call_site(x, self.normalize(x) if not args and not kwargs else super().forward(x, *args, **kwargs))
+            with weighted(self, 1 - t.blend):
+                y = self.normalize(x) if not args and not kwargs else super().forward(x, *args, **kwargs)
+            return t.call_site(x, y)
         return x
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,13 +271,18 @@ class NormalizeBranchInput:
     def __call__(self, module, args, kwargs):
         if bypassed():
             return None
-        # One normalisation per call even when the stream is passed several times (q, k, v).
+        # One normalisation per call even when the stream is passed several times (q, k, v); none for
+        # a tensor that already is this norm's output (an earlier entry returned its normalised input
+        # and the forward passes it on: MobileBERT's bottleneck hands the stream to its attention).
         cache: dict[int, torch.Tensor] = {}
 
         def norm_of(t):
             key = id(t)
             if key not in cache:
-                cache[key] = self.normalized(t)
+                done = _normalized_by.get(id(self.norm))
+                cache[key] = t if done is not None and done() is t else self.normalized(t)
+                if isinstance(cache[key], torch.Tensor):
+                    _normalized_by[id(self.norm)] = weakref.ref(cache[key])
             return cache[key]
 
         capture = getattr(_state, "capture", None)
@@ -256,6 +302,10 @@ class NormalizeBranchInput:
     def normalized(self, t: torch.Tensor) -> torch.Tensor:
         # Overridden by transition.BlendNormalizeBranchInput: (1-a)*t + a*normalize(t).
         return self.norm.normalize(t)
+
+
+# id(norm) -> the tensor its latest branch-entry normalisation returned (weakly: no tensor is kept alive).
+_normalized_by: dict[int, "weakref.ref[torch.Tensor]"] = {}
 
 
 def _with_branch_value(output, index: int | None, value):

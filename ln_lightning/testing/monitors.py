@@ -65,18 +65,22 @@ class MicroBatchIndex(Dataset):
 class FixedBatchLM(L.LightningModule):
     """`training_step` uses `X[global_rank, batch_idx % accum]`; SGD with lr 0 keeps the weights fixed.
 
-    Logs `ref/clip_grad_norm` (what `torch.nn.utils.clip_grad_norm_` returns on this run's own,
-    distributed gradients) from `on_before_optimizer_step`, which Lightning calls after the
-    callbacks' hook and before clipping.
+    Logs its loss with `self.log` (`ref/loss`: the steps Lightning's own logging uses), and
+    `ref/clip_grad_norm` (what `torch.nn.utils.clip_grad_norm_` returns on this run's own, distributed
+    gradients) from `on_before_optimizer_step`, which Lightning calls after the callbacks' hook and
+    before clipping. `n_batches` training batches per epoch (default: `accum`); `lr` > 0 lets weights move.
     """
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, fsdp2: bool = False, compile_backend: str | None = None):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, fsdp2: bool = False, compile_backend: str | None = None,
+                 n_batches: int | None = None, lr: float = 0.0):
         super().__init__()
         self.model = make_model()
         self.x, self.y = x, y
         self.accum = x.shape[1]
         self.fsdp2 = fsdp2
         self.compile_backend = compile_backend
+        self.n_batches = n_batches or self.accum
+        self.lr = lr
 
     def configure_model(self) -> None:
         if self.fsdp2:
@@ -94,7 +98,9 @@ class FixedBatchLM(L.LightningModule):
         x = self.x[self.global_rank, mb].to(self.device)
         y = self.y[self.global_rank, mb].to(self.device)
         logits = self.model(x)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        self.log("ref/loss", loss)
+        return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
         total = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm=float("inf"))
@@ -106,13 +112,53 @@ class FixedBatchLM(L.LightningModule):
                                     step=self.global_step)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self):
-        return DataLoader(MicroBatchIndex(self.accum), batch_size=None, shuffle=False)
+        return DataLoader(MicroBatchIndex(self.n_batches), batch_size=None, shuffle=False)
 
 
-def all_monitors(every: int = 2, **kw):
+class ManualLM(FixedBatchLM):
+    """`FixedBatchLM` under manual optimisation, with one optimizer or two (the blocks' parameters, the rest),
+    each stepped on every batch.
+
+    Logs `ref/clip_grad_norm` (one optimizer) or `ref/optimizer_K/clip_grad_norm` (two): `clip_grad_norm_`'s
+    total over the stepping optimizer's own parameters, under Lightning's logging step read directly.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, n_optimizers: int = 1, n_batches: int | None = None, lr: float = 0.0):
+        super().__init__(x, y, n_batches=n_batches, lr=lr)
+        if n_optimizers not in (1, 2):
+            raise ValueError(f"n_optimizers must be 1 or 2, got {n_optimizers}")
+        self.n_optimizers = n_optimizers
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        if self.n_optimizers == 1:
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        blocks = list(self.model.blocks.parameters())
+        in_blocks = {id(p) for p in blocks}
+        rest = [p for p in self.parameters() if id(p) not in in_blocks]
+        return [torch.optim.SGD(blocks, lr=self.lr), torch.optim.SGD(rest, lr=self.lr)]
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        optimizers = self.optimizers()
+        for optimizer in optimizers if isinstance(optimizers, list) else [optimizers]:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        total = float(torch.nn.utils.clip_grad_norm_(params, max_norm=float("inf")))
+        k = next(i for i, o in enumerate(self.trainer.optimizers) if o is optimizer)
+        tag = "ref/clip_grad_norm" if self.n_optimizers == 1 else f"ref/optimizer_{k}/clip_grad_norm"
+        if self.global_rank == 0 and self.logger is not None:
+            self.logger.log_metrics({tag: total}, step=self.trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def all_monitors(every: int | None = 2, **kw):
     from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
 
     return [StreamNormMonitor(every_n_steps=every, **kw), LayerNormInputMonitor(every_n_steps=every, **kw),
@@ -120,8 +166,9 @@ def all_monitors(every: int = 2, **kw):
 
 
 class CountReductions(L.Callback):
-    """Records, per rank, each all-reduce made from `ln_lightning/callbacks/_reduce.py` (step, "sum"/"max") and the
-    number of `reduce_to_host` host copies; written to OUT/reductions_rank{R}.json when training ends."""
+    """Records, per rank, each all-reduce made from `ln_lightning/callbacks/_reduce.py` (Lightning's logging step,
+    "sum"/"max") and the number of `reduce_to_host` host copies; written to OUT/reductions_rank{R}.json when
+    training ends."""
 
     def __init__(self, out: str):
         self.out = out
@@ -135,7 +182,8 @@ class CountReductions(L.Callback):
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if sys._getframe(1).f_code.co_filename.replace("\\", "/").endswith("ln_lightning/callbacks/_reduce.py"):
-                self.records.append([trainer.global_step, "sum" if op == dist.ReduceOp.SUM else "max"])
+                step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step self.log would log under
+                self.records.append([step, "sum" if op == dist.ReduceOp.SUM else "max"])
             return original(tensor, op=op, group=group, async_op=async_op)
 
         all_reduce.original = original
@@ -303,10 +351,11 @@ def make_trainer(out: str, name: str, **kw) -> L.Trainer:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     kw.setdefault("log_every_n_steps", 2)
+    kw.setdefault("enable_checkpointing", False)
     kw["callbacks"] = [*kw.get("callbacks", []), DestroyProcessGroupAtExit()]
     return L.Trainer(
         logger=TensorBoardLogger(out, name=name, version=0),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, **kw,
     )
 

@@ -1,0 +1,356 @@
+"""The mechanics of a placement transition: the blend's device state and the blend-aware hooks and layers.
+
+A sublayer has three places a norm can sit: the branch's input, the branch's output (before the add) and the
+stream after the add. The placement before (`S`, as the block's forward is written) and after (`T`, what
+`convert` made it) each put a norm, or nothing, at each place; during the transition each place computes
+
+    (1-a) * f_S(v) + a * f_T(v)           (f: the identity, or the norm that place has)
+
+and the branch scale `c` ramps from 1 (`(1-a) + a*c`). Post-norm to pre-norm (norm `LN`, branch `F`):
+
+    u = (1-a)*x + a*LN(x)                 at the branch's entries
+    h = x + ((1-a) + a*c) * F(u)
+    out = (1-a)*LN(h) + a*h               at the norm's own call site
+
+Post to peri adds `b -> (1-a)*b + a*N_out(b)` at the branch's exit; pre to output moves the norm from the input
+to the exit (`(1-a)*N(x) + a*x` at the input, `(1-a)*b + a*N(b)` at the exit); peri to pre and to output drop
+one norm at its call site; "mix" converts the later blocks to pre-norm, as above. A final norm that `convert`
+added outputs `(1-a)*s + a*N_f(s)`. At `a = 0` every term is exact (`1*x + 0*y == x` in floating point), so
+the model computes bit-for-bit the function it was trained with (an added norm is the identity); at `a = 1` it
+computes exactly what `convert(model, placement)` gives.
+
+`start` switches a converted model into the blend; `finish` removes every piece of it, leaving the model
+exactly as `convert` left it (fused torch layers included), at plain speed. The pieces:
+
+* a :class:`Transition` module at ``root.ln_lightning_transition`` holds the blend, the optimizer steps done and
+  the schedule (persistent buffers: in every state_dict and checkpoint);
+* a converted block's deferred norms get the instance attribute ``ln_lightning_transition`` (consulted by
+  `hooks.DeferredNorm.forward`: the one edit this needs in hooks.py);
+* its entry / exit hooks switch class to the blend-aware subclasses below (same attributes);
+* a torch `nn.TransformerEncoderLayer`/`DecoderLayer` switches class to `BlendEncoderLayer` /
+  `BlendDecoderLayer` (its previous class is remembered);
+* an added final norm gets a forward hook `BlendFinalNorm`.
+
+Who starts and ends a transition, and what it means for checkpoints, is the rewrite state's
+(``ln_lightning.placement.state``); the user-facing functions are ``ln_lightning.placement.transition``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ln_lightning.placement import hooks
+from ln_lightning.placement.errors import PlacementError
+from ln_lightning.placement.norms import norm_types
+
+ATTR = "ln_lightning_transition"  # the root's submodule, and the deferred norms' instance attribute
+_PREV_CLASS = "_ln_lightning_pre_transition_class"
+SCHEDULES = ("linear", "cosine")
+# The largest transition_steps the int64 step counter holds (and the schedule buffer stores).
+MAX_STEPS = 2**63 - 1
+
+
+def schedule(t: float, kind: str = "linear") -> float:
+    """The blend at fraction `t` of the transition: linear `t`, or cosine `(1 - cos(pi t)) / 2`.
+
+    Both are exactly 0 at t <= 0 and exactly 1 at t >= 1.
+    """
+    if kind not in SCHEDULES:
+        raise PlacementError(f"unknown transition_schedule {kind!r}; valid schedules are {', '.join(map(repr, SCHEDULES))}")
+    if t <= 0:
+        return 0.0
+    if t >= 1:
+        return 1.0
+    return t if kind == "linear" else 0.5 * (1.0 - math.cos(math.pi * t))
+
+
+def _fraction_of(blend: float, kind: str) -> float:
+    """The inverse of `schedule`: the fraction of the transition at which it reaches `blend`."""
+    blend = min(1.0, max(0.0, blend))
+    return blend if kind == "linear" else math.acos(1.0 - 2.0 * blend) / math.pi
+
+
+class Transition(nn.Module):
+    """The blend's device state (persistent buffers, so it is in every state_dict and checkpoint).
+
+    ``blend`` (float32 scalar) is what the hooks read; ``steps_done`` (int64 scalar) counts the optimizer steps
+    taken in the transition; ``schedule`` (int64 ``[steps, kind]``, ``kind`` indexing ``SCHEDULES``; steps -1
+    when none was given). A host copy of ``steps_done`` (``host_steps``) lets a training loop advance the
+    blend without reading the device: it is read from the buffer once after a load.
+    """
+
+    def __init__(self, steps: int | None = None, kind: str = "linear", device=None):
+        super().__init__()
+        self.steps = steps
+        self.kind = kind
+        self.register_buffer("blend", torch.zeros((), dtype=torch.float32, device=device), persistent=True)
+        self.register_buffer("steps_done", torch.zeros((), dtype=torch.int64, device=device), persistent=True)
+        self.register_buffer("schedule", torch.tensor([steps or -1, SCHEDULES.index(kind)], dtype=torch.int64, device=device),
+                             persistent=True)
+        self._host_steps: int | None = 0
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        old = prefix + "start_step"
+        if old in state_dict and prefix + "steps_done" not in state_dict:
+            # Format 1 (ln_lightning 0.1) stored the step the schedule started at instead of the steps done; the
+            # blend and the schedule say how far it had gone.
+            del state_dict[old]
+            sched = state_dict.get(prefix + "schedule")
+            blend = state_dict.get(prefix + "blend")
+            if sched is not None and blend is not None:
+                steps, kind = (int(v) for v in sched.tolist())
+                done = round(_fraction_of(float(blend), SCHEDULES[kind]) * steps) if steps > 0 else 0
+                state_dict[prefix + "steps_done"] = torch.tensor(done, dtype=torch.int64)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        steps, kind = (int(v) for v in self.schedule.tolist())
+        self.steps, self.kind = (steps if steps > 0 else None), SCHEDULES[kind]
+        self._host_steps = None
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._host_steps = None  # unpickled elsewhere (a spawned worker): read the buffer once
+
+    @property
+    def host_steps(self) -> int:
+        """The optimizer steps done, on the host (one device read after a load or an unpickle, none after)."""
+        if self._host_steps is None:
+            self._host_steps = int(self.steps_done)
+        return self._host_steps
+
+    def set_progress(self, steps_done: int, blend: float) -> None:
+        """Write the steps done and the blend (device writes from host values: no synchronisation)."""
+        self._host_steps = int(steps_done)
+        self.steps_done.fill_(self._host_steps)
+        self.blend.fill_(float(blend))
+
+    def a(self, like: torch.Tensor) -> torch.Tensor:
+        # A 0-dim tensor: no host sync, and a bf16 stream stays bf16.
+        return self.blend.to(like.dtype)
+
+    def extra_repr(self) -> str:
+        return f"blend={float(self.blend):.4g}, steps={self.steps}, schedule={self.kind!r}"
+
+    # Called by hooks.DeferredNorm.forward at a deferred norm's call site (y = LN(h) computed there).
+    def call_site(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = self.a(h)
+        return (1 - a) * y + a * h
+
+
+def _mix(t: Transition, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(1-a)*x + a*y for the transition `t`."""
+    a = t.a(x)
+    return (1 - a) * x + a * y
+
+
+class BlendNormalizeBranchInput(hooks.NormalizeBranchInput):
+    """Entry hook during the transition: the branch reads `(1-a)*x + a*LN(x)`."""
+
+    def normalized(self, t: torch.Tensor) -> torch.Tensor:
+        with hooks.weighted(self.norm, self.transition.blend):
+            return _mix(self.transition, t, self.norm.normalize(t))
+
+
+class BlendNormalizeBranchOutput(hooks.NormalizeBranchOutput):
+    """Exit hook during the transition: the branch output becomes `(1-a)*b + a*N(b)` (peri's added output
+    norm, or output-norm's moved one)."""
+
+    def normalized(self, value: torch.Tensor) -> torch.Tensor:
+        with hooks.weighted(self.norm, self.transition.blend):
+            return _mix(self.transition, value, super().normalized(value))
+
+
+class BlendScaleBranchOutput(hooks.ScaleBranchOutput):
+    """Exit hook during the transition: the branch output times `(1-a) + a*c` (1 -> c)."""
+
+    def scaled(self, value: torch.Tensor) -> torch.Tensor:
+        return _mix(self.transition, value, self.scale(value))
+
+
+class BlendFinalNorm:
+    """Forward hook on a final norm convert added: `(1-a)*s + a*LN_f(s)` (the identity at a = 0)."""
+
+    def __init__(self, transition: Transition):
+        self.transition = transition
+
+    def __call__(self, module, args, output):
+        if hooks.bypassed():
+            return None
+        return _mix(self.transition, args[0], output)
+
+
+# Each hook of a rewrite and its blend-aware subclass (same attributes, plus `transition`).
+_BLEND_CLASS = {
+    hooks.NormalizeBranchInput: BlendNormalizeBranchInput,
+    hooks.NormalizeBranchOutput: BlendNormalizeBranchOutput,
+    hooks.ScaleBranchOutput: BlendScaleBranchOutput,
+}
+_PLAIN_CLASS = {blend: plain for plain, blend in _BLEND_CLASS.items()}
+
+
+def _blend_sublayer(t: Transition, x, norm, branch):
+    a = t.a(x)
+    with hooks.weighted(norm, t.blend):
+        u = (1 - a) * x + a * norm(x)
+    h = x + branch(u)  # the branch scale (a hook on its dropout) is the blend-aware one
+    with hooks.weighted(norm, 1 - t.blend):
+        return (1 - a) * norm(h) + a * h
+
+
+class BlendEncoderLayer(nn.TransformerEncoderLayer):
+    """`nn.TransformerEncoderLayer` during the transition: each sublayer blended as in the module doc."""
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        t = self.__dict__[ATTR]
+        # The same mask canonicalisation as torch's forward.
+        src_key_padding_mask = F._canonical_mask(
+            mask=src_key_padding_mask, mask_name="src_key_padding_mask", other_type=F._none_or_dtype(src_mask),
+            other_name="src_mask", target_type=src.dtype,
+        )
+        src_mask = F._canonical_mask(mask=src_mask, mask_name="src_mask", other_type=None, other_name="", target_type=src.dtype, check_other=False)
+        x = _blend_sublayer(t, src, self.norm1, lambda u: self._sa_block(u, src_mask, src_key_padding_mask, is_causal=is_causal))
+        return _blend_sublayer(t, x, self.norm2, self._ff_block)
+
+
+class BlendDecoderLayer(nn.TransformerDecoderLayer):
+    """`nn.TransformerDecoderLayer` during the transition."""
+
+    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
+        t = self.__dict__[ATTR]
+        x = _blend_sublayer(t, tgt, self.norm1, lambda u: self._sa_block(u, tgt_mask, tgt_key_padding_mask, tgt_is_causal))
+        x = _blend_sublayer(t, x, self.norm2, lambda u: self._mha_block(u, memory, memory_mask, memory_key_padding_mask, memory_is_causal))
+        return _blend_sublayer(t, x, self.norm3, self._ff_block)
+
+
+def _torch_layer_classes():
+    from ln_lightning.placement.fused_layers import FUSED_CLASS
+
+    enc = (nn.TransformerEncoderLayer, FUSED_CLASS[nn.TransformerEncoderLayer])
+    dec = (nn.TransformerDecoderLayer, FUSED_CLASS[nn.TransformerDecoderLayer])
+    return enc, dec
+
+
+def active(model: nn.Module) -> Transition | None:
+    """The model's transition module while a transition is under way, else None."""
+    t = model._modules.get(ATTR)
+    return t if isinstance(t, Transition) else None
+
+
+def check_schedule_args(steps: int | None, kind: str) -> None:
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS):
+        raise PlacementError(f"transition_steps must be a positive int of at most 2**63 - 1 (the step counter is int64), got {steps!r}")
+    schedule(0.0, kind)  # validates the name
+
+
+def start(model: nn.Module, converted: Iterable[tuple[str, bool]], added: Iterable[str], *, steps: int | None = None,
+          kind: str = "linear") -> Transition:
+    """Switch a converted model into the blend at a = 0 (its function before the conversion).
+
+    `converted`: (block path, read from its forward as written) for each block the conversion changed; `added`:
+    the paths it added. Only those are blended; blocks it left alone keep computing what they did. Checks
+    everything before changing anything.
+    """
+    converted = list(converted)
+    if active(model) is not None:
+        raise PlacementError("the model is already in a transition; finish it first (transition.finish(model))")
+    rewritten = [path or "<root>" for path, from_written in converted if not from_written]
+    if rewritten:
+        raise PlacementError(
+            f"block(s) {', '.join(rewritten)} had been rewritten by ln_lightning before this conversion; the transition "
+            "blends from the placement a block's forward is written in, which they no longer computed. Convert the "
+            "model back with convert(model, 'post') first, or start from the unconverted model"
+        )
+    if ATTR in model._modules or hasattr(model, ATTR):
+        raise PlacementError(f"{type(model).__name__} already has an attribute {ATTR!r}")
+    check_schedule_args(steps, kind)
+    enc, dec = _torch_layer_classes()
+    blocks = [model.get_submodule(path) if path else model for path, _ in converted]
+    for (path, _), block in zip(converted, blocks):
+        if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) and type(block) not in enc + dec:
+            raise PlacementError(
+                f"transition_steps can't blend {path} ({type(block).__name__}): it subclasses a torch Transformer layer "
+                "with its own forward, which the transition would replace. Convert it without transition_steps."
+            )
+    ref = next(iter(model.parameters()), None)
+    if ref is None:
+        ref = next(iter(model.buffers()), None)
+    t = Transition(steps, kind, device=ref.device if ref is not None and ref.device.type != "meta" else None)
+    for block in blocks:
+        if type(block) in enc + dec:
+            block.__dict__[_PREV_CLASS] = type(block)
+            block.__dict__[ATTR] = t
+            block.__class__ = BlendEncoderLayer if type(block) in enc else BlendDecoderLayer
+        for m in block.modules():
+            if hooks.is_deferred(m):
+                m.__dict__[ATTR] = t
+            for d in (m._forward_pre_hooks, m._forward_hooks):
+                for h in d.values():
+                    blend = _BLEND_CLASS.get(type(h))
+                    if blend is not None:
+                        h.__class__, h.transition = blend, t
+    # Peri's added output norms are blended at their exit hooks; every other norm the conversion added is a final norm.
+    at_exits = {id(h.norm) for block in blocks for m in block.modules() for h in m._forward_hooks.values()
+                if isinstance(h, hooks.NormalizeBranchOutput)}
+    for path in added:
+        try:
+            m = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(m, norm_types()) and id(m) not in at_exits:  # (branch scales: at their hooks)
+            m.register_forward_hook(BlendFinalNorm(t))
+            m.__dict__[hooks.WEIGHT_ATTR] = t  # its normalisation weighs a (hooks.normalization_weight)
+    model.add_module(ATTR, t)
+    return t
+
+
+def finish(model: nn.Module) -> None:
+    """Remove the transition: the model is exactly what `convert` made it, with no blend left.
+
+    Raises if any piece of the machinery would stay behind (it would be a silent change of function).
+    """
+    t = active(model)
+    if t is None:
+        raise PlacementError("finish: the model is not in a transition")
+    for m in model.modules():
+        if m.__dict__.get(ATTR) is t:
+            del m.__dict__[ATTR]
+        if m.__dict__.get(hooks.WEIGHT_ATTR) is t:
+            del m.__dict__[hooks.WEIGHT_ATTR]
+        prev = m.__dict__.pop(_PREV_CLASS, None)
+        if prev is not None:
+            m.__class__ = prev
+        for d in (m._forward_pre_hooks, m._forward_hooks):
+            for key, h in list(d.items()):
+                plain = _PLAIN_CLASS.get(type(h))
+                if plain is not None:
+                    h.__class__ = plain
+                    del h.transition
+                elif isinstance(h, BlendFinalNorm):
+                    del d[key]
+                    m._forward_hooks_with_kwargs.pop(key, None)
+                    getattr(m, "_forward_hooks_always_called", {}).pop(key, None)
+    del model._modules[ATTR]
+    left = leftovers(model)
+    if left:
+        raise RuntimeError(f"ln_lightning: internal error, transition machinery left at {', '.join(left)}; please report this")
+
+
+def leftovers(model: nn.Module) -> list[str]:
+    """Module paths that still carry a piece of a transition (empty after `finish`)."""
+    out = []
+    for path, m in model.named_modules():
+        blend_hooks = [h for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()
+                       if isinstance(h, (*_PLAIN_CLASS, BlendFinalNorm))]
+        if (ATTR in m.__dict__ or _PREV_CLASS in m.__dict__ or hooks.WEIGHT_ATTR in m.__dict__
+                or isinstance(m, (Transition, BlendEncoderLayer, BlendDecoderLayer))
+                or blend_hooks):
+            out.append(path or "<root>")
+    return out
+
+
+__all__ = ["ATTR", "MAX_STEPS", "SCHEDULES", "Transition", "active", "check_schedule_args", "finish", "leftovers", "schedule", "start"]

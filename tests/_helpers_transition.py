@@ -1,0 +1,106 @@
+"""Shared pieces of the transition tests: three small post-norm LMs, a CharLM over them, data, a Trainer, a recorder."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from ln_lightning.demo import PostNormTransformerLM
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.placement import transition
+
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16)
+SEQ = 16
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------- models
+class TorchEncoderLM(nn.Module):
+    def __init__(self, vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, n_heads, 2 * d_model, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, idx):
+        return self.head(self.enc(self.emb(idx)))
+
+
+class BertLM(nn.Module):
+    def __init__(self, vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        cfg = BertConfig(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                         intermediate_size=2 * d_model, max_position_embeddings=block_size, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+        self.bert = BertModel(cfg, add_pooling_layer=False)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, idx):
+        return self.head(self.bert(input_ids=idx).last_hidden_state)
+
+
+KINDS = {"demo": PostNormTransformerLM, "torch": TorchEncoderLM, "bert": BertLM}
+
+
+def make(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return KINDS[kind](**TINY)
+
+
+def batch(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (4, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+class LM(CharLM):
+    """CharLM (AdamW + LambdaLR) over any of the three models; records the loss of every training step."""
+
+    def __init__(self, kind: str = "demo", lr: float = 1e-2, seed: int = 0, warmup_steps: int = 2):
+        super().__init__(**TINY, lr=lr, warmup_steps=warmup_steps)
+        self.save_hyperparameters()
+        self.model = make(kind, seed)
+        self.losses: list[float] = []
+
+    def training_step(self, b, batch_idx):
+        loss = self._loss(b)
+        self.losses.append(loss.item())
+        self.log("train/loss", loss)
+        return loss
+
+
+def loader() -> DataLoader:
+    x = batch(1)
+    y = torch.roll(x, -1, dims=1)
+    return DataLoader(TensorDataset(x, y), batch_size=4)  # one batch per epoch: resume is never mid-epoch
+
+
+def loss_of(module: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = module(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), torch.roll(x, -1, dims=1).reshape(-1)).item()
+
+
+def trainer(tmp_path, plugin=None, max_steps=4, callbacks=(), **kw) -> Trainer:
+    return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+                   plugins=[plugin] if plugin is not None else None, callbacks=list(callbacks),
+                   enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), **kw)
+
+
+class BlendRecorder(Callback):
+    """The blend each training step ran with (after LNPlacement's per-step hook: it is the first callback)."""
+
+    def __init__(self):
+        self.blends: list[float | None] = []
+
+    def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
+        self.blends.append(transition.get_blend(pl_module))
