@@ -430,6 +430,7 @@ def main(argv=None) -> int:
                    "go into the report)")
     p.add_argument("--why-from", default=None, help=f"the migrated arm the why-migrate runs start from (default {WHY_FROM})")
     p.add_argument("--no-why", action="store_true", help="skip the why-migrate runs")
+    p.add_argument("--why-only", action="store_true", help="run only the why-migrate runs (from the end states in --out)")
     p.add_argument("--repretrain", action="store_true", help="pretrain again even where --out holds a pretrained checkpoint")
     p.add_argument("--report-only", action="store_true", help="rebuild the report and plots from the runs already in --out")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one run
@@ -472,9 +473,15 @@ def main(argv=None) -> int:
     # the arms the goal and the why-migrate runs need first, both seeds, then the rest
     first = ["unchanged", hp["why_from"], f"plugin_{hp['unit']}", "scaled_long_endpoint", "scaled_linear", "plain_linear", "hard"]
     chosen = sorted(chosen, key=lambda a: first.index(a) if a in first else len(first))
-    order += [("drift", s) for s in seeds] + [("stepcost", 0)] + [(a, s) for a in chosen for s in seeds]
+    # with --arms, the drift profile and the step cost are run again only where --out lacks them
+    shared = [("drift", s) for s in seeds] + [("stepcost", 0)]
+    if args.arms is not None:
+        shared = [(j, s) for j, s in shared if not (out / "runs" / f"{run_name(j, s)}.json").exists()]
+    order += shared + [(a, s) for a in chosen for s in seeds]
     if args.arms is None or any(a in chosen for a in ("unchanged", hp["why_from"])):
         order += [(j, s) for s in seeds for j in why]
+    if args.why_only:
+        order = [(j, s) for s in seeds for j in why_jobs(hp)]
     timing: dict = {}
     if args.report_only:
         timing = prev.get("timing") or {}

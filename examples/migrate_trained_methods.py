@@ -7,7 +7,7 @@ norm is a copy of the trained last norm (issue 20, defect 1; `final_norm="fresh"
 start for the drift profile). The optimizer state the checkpoint holds is remapped by parameter name, the
 added parameters starting fresh.
 
-What a method decides is the blend of each optimizer step (`transition.active(model).blend`, set in
+What a method decides is the blend of each optimizer step (`blend.active(model).blend`, set in
 place on the device: no host synchronisation) and, for some, an extra loss term. The stream-scaled blend
 (`StreamScaledBlend`) changes the blend's formulas; transition.py does not have it yet, so it is
 prototyped here by switching the transition's hook objects to subclasses and giving each deferred norm its
@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ln_lightning.placement import hooks, transition
+from ln_lightning.placement import blend, hooks, transition
 from ln_lightning.placement.stream_scale import cumulative_scales, site_ratios
 from ln_lightning.placement.transition_control import BlendPlan, DriftBudgetController, FunctionSpeedSchedule
 
-ATTR = transition.ATTR
+ATTR = blend.ATTR
 
 
 # ------------------------------------------------------------------------------ the stream-scaled blend
@@ -49,7 +49,7 @@ class SublayerBlend:
         return self.blend.to(like.dtype)
 
 
-class _ScaledInput(transition.BlendNormalizeBranchInput):
+class _ScaledInput(blend.BlendNormalizeBranchInput):
     """Entry: u = (1-b) * x / D + b * N(x), D = (1-a) + a*C_k (C_k: the stream scale this branch reads; a the
     transition's blend, b the sublayer's own: the same one unless staggered)."""
 
@@ -61,15 +61,19 @@ class _ScaledInput(transition.BlendNormalizeBranchInput):
 class _ScaledSite:
     """A deferred norm's call site: out = (1-b) * D' * N(h) + b * h, D' = (1-a) + a*C_{k+1}."""
 
-    def __init__(self, t: transition.Transition, own, stream_scale: torch.Tensor):
+    def __init__(self, t: blend.Transition, own, stream_scale: torch.Tensor):
         self.t, self.own, self.stream_scale = t, own, stream_scale
+
+    @property
+    def blend(self) -> torch.Tensor:  # the call site's normalisation weighs 1 - b (what the monitors read)
+        return self.own.blend
 
     def call_site(self, h, y):
         a, b = self.t.a(h), self.own.a(h)
         return (1 - b) * (_scale(a, self.stream_scale.to(h.dtype)) * y) + b * h
 
 
-class _ScaledOutput(transition.BlendNormalizeBranchOutput):
+class _ScaledOutput(blend.BlendNormalizeBranchOutput):
     """Peri's exit: (1-b) * D * v + b * N_out(v), D = (1-a) + a*C_k; N_out's gain starts at C_k times the trained
     branch output's std (`init_output_norms`), so at a = 1 the branch writes what the pre-norm endpoint writes."""
 
@@ -78,7 +82,7 @@ class _ScaledOutput(transition.BlendNormalizeBranchOutput):
         return (1 - b) * (_scale(a, self.stream_scale.to(value.dtype)) * value) + b * hooks.NormalizeBranchOutput.normalized(self, value)
 
 
-class _ScaledFinal(transition.BlendFinalNorm):
+class _ScaledFinal(blend.BlendFinalNorm):
     """Added final norm: (1-b) * s / D + b * N_f(s), D = (1-a) + a*C_K."""
 
     def __call__(self, module, args, output):
@@ -115,7 +119,7 @@ class StreamScaledBlend:
     """
 
     def __init__(self, model: nn.Module, report, scales: list[float], sites: list[nn.Module], staggered: bool = False):
-        t = transition.active(model)
+        t = blend.active(model)
         if t is None:
             raise RuntimeError("StreamScaledBlend: start the transition first")
         self.model, self.t = model, t
@@ -128,18 +132,18 @@ class StreamScaledBlend:
         self.patched_inputs, self.patched_sites, self.patched_final, self.patched_outputs = [], [], [], []
         for m in model.modules():
             for h in m._forward_pre_hooks.values():
-                if type(h) is transition.BlendNormalizeBranchInput:
+                if type(h) is blend.BlendNormalizeBranchInput:
                     k = index[id(h.norm)]
                     h.__class__, h.stream_scale, h.own = _ScaledInput, self.c[k], own(k)
                     self.patched_inputs.append(h)
                     for e in m._forward_hooks.values():  # the same branch's exit: its scale ramps to C_k
-                        if isinstance(e, transition.BlendScaleBranchOutput):
+                        if isinstance(e, blend.BlendScaleBranchOutput):
                             e.scale.c.fill_(float(scales[k]))
-                        elif type(e) is transition.BlendNormalizeBranchOutput:  # peri's added output norm
+                        elif type(e) is blend.BlendNormalizeBranchOutput:  # peri's added output norm
                             e.__class__, e.stream_scale, e.own = _ScaledOutput, self.c[k], own(k)
                             self.patched_outputs.append(e)
             for h in m._forward_hooks.values():
-                if type(h) is transition.BlendFinalNorm:
+                if type(h) is blend.BlendFinalNorm:
                     h.__class__, h.stream_scale, h.own = _ScaledFinal, self.c[len(sites)], own(len(sites))
                     self.patched_final.append(h)
             if m.__dict__.get(ATTR) is t and hooks.is_deferred(m):
@@ -161,13 +165,13 @@ class StreamScaledBlend:
     def remove(self) -> None:
         """Back to transition.py's own objects (finish then removes them); the branch constants stay C_k."""
         for h in self.patched_inputs:
-            h.__class__ = transition.BlendNormalizeBranchInput
+            h.__class__ = blend.BlendNormalizeBranchInput
             del h.stream_scale, h.own
         for h in self.patched_final:
-            h.__class__ = transition.BlendFinalNorm
+            h.__class__ = blend.BlendFinalNorm
             del h.stream_scale, h.own
         for h in self.patched_outputs:
-            h.__class__ = transition.BlendNormalizeBranchOutput
+            h.__class__ = blend.BlendNormalizeBranchOutput
             del h.stream_scale, h.own
         for m in self.patched_sites:
             m.__dict__[ATTR] = self.t
@@ -178,12 +182,12 @@ class StreamScaledBlend:
 def init_output_norms(model: nn.Module, sites: list[nn.Module], scales: list[float], batch_x: torch.Tensor) -> None:
     """Peri: each added output norm's gain = C_k x the std of its branch's trained output (measured at a = 0 on
     `batch_x`), bias 0: at a = 1 the branch then writes about C_k times what it wrote in the trained model."""
-    t = transition.active(model)
+    t = blend.active(model)
     index = {id(n): k for k, n in enumerate(sites)}
     exits, stds, handles = [], {}, []
     for m in model.modules():
-        entry = next((h for h in m._forward_pre_hooks.values() if isinstance(h, transition.BlendNormalizeBranchInput)), None)
-        out = next((h for h in m._forward_hooks.values() if isinstance(h, transition.BlendNormalizeBranchOutput)), None)
+        entry = next((h for h in m._forward_pre_hooks.values() if isinstance(h, blend.BlendNormalizeBranchInput)), None)
+        out = next((h for h in m._forward_hooks.values() if isinstance(h, blend.BlendNormalizeBranchOutput)), None)
         if entry is not None and out is not None:
             exits.append((m, out, index[id(entry.norm)]))
 
@@ -410,7 +414,7 @@ def make_callback(method: Migration, probe_x: torch.Tensor, budget_units: float,
             return FunctionSpeedSchedule(blends, drift)
 
         def _t(self, pl_module):
-            return transition.active(pl_module)
+            return blend.active(pl_module)
 
         def _set(self, pl_module, a: float):
             t = self._t(pl_module)

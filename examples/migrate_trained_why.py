@@ -34,7 +34,7 @@ def save_end_state(path: Path):
 
     from ln_lightning.placement import transition
     from ln_lightning.placement.scale import BranchScale
-    from ln_lightning.rewrite_record import recorded_config
+    from ln_lightning.placement import state as rewrite_state
 
     class SaveEndState(Callback):
         def on_train_end(self, trainer, pl_module):
@@ -45,7 +45,7 @@ def save_end_state(path: Path):
                 "state_dict": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
                 "optimizer": trainer.optimizers[0].state_dict(),
                 "param_names": [n for n, _ in pl_module.named_parameters()],
-                "config": recorded_config(pl_module),
+                "config": dict(rewrite_state.of(pl_module).config) if rewrite_state.of(pl_module) is not None else None,
                 # non-persistent constants (not in the state_dict)
                 "branch_scales": {n: float(m.c) for n, m in pl_module.named_modules() if isinstance(m, BranchScale) and not m.learnable},
             }, path)
