@@ -18,6 +18,9 @@ covered the fraction t of its total: constant speed of the function, not of the 
 `DriftBudgetController` is the adaptive alternative: it advances the blend only while a measured drift
 stays within a budget, on the device (a 0-dim tensor in, the blend buffer updated in place; no host
 synchronisation).
+
+Not used by `LNPlacement` yet: `examples/migrate_trained_methods.py` builds the study's candidate migrations
+from it, and the plugin's `transition_steps` still runs the plain blend (issue 20 left open).
 """
 
 from __future__ import annotations
