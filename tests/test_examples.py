@@ -124,14 +124,32 @@ def test_simulate_two_nodes_quick(tmp_path):
 
 @pytest.mark.slow
 def test_migrate_trained_quick(tmp_path):
-    _example("migrate_trained", tmp_path, timeout=600)
-    _check_outputs(tmp_path, ["loss.png"], min_events=5)
+    stdout = _example("migrate_trained", tmp_path, timeout=900)
+    md = _check_outputs(tmp_path, ["loss.png", "drift.png", "candidates.png", "why_lr.png", "why_deepen.png"], min_events=5)
+    assert stdout.strip().endswith(md.strip().splitlines()[-1].strip())  # what it prints is the report it writes
     res = json.loads((tmp_path / "results.json").read_text())
     runs = res["runs"]
-    assert set(runs) == {"unchanged", "hard", "trans_3", "trans_6"}
-    # By construction a transition resumes at exactly the trained post-norm function: its first loss is the
-    # unchanged run's (same seed, same batch); the hard switch's is not.
+    assert {"unchanged", "hard", "plugin_6", "plain_linear", "scaled_hard", "scaled_linear_endpoint"} <= set(runs)
+    assert res["same_batches"]
+    # By construction every transition resumes at exactly the trained post-norm function: its first loss is the
+    # unchanged run's (same seed, same batch); a hard switch's is not.
     first = runs["unchanged"][0]["first_loss"]
-    for arm in ("trans_3", "trans_6"):
-        assert abs(runs[arm][0]["first_loss"] - first) <= 1e-6 * first
-    assert abs(runs["hard"][0]["first_loss"] - first) > 1e-4 * first
+    for arm, rs in runs.items():
+        if arm in ("unchanged", "hard", "scaled_hard"):
+            continue
+        assert abs(rs[0]["first_loss"] - first) <= 1e-6 * first, arm
+    for arm in ("hard", "scaled_hard"):
+        assert abs(runs[arm][0]["first_loss"] - first) > 1e-4 * first
+    # Every arm within the compute budget of continuing unchanged (forward 1, backward 2, teacher and probes counted).
+    for arm, rs in runs.items():
+        assert rs[0]["units"] <= rs[0]["budget_units"] + 1e-6, arm
+    # The drift profile starts at the trained function: KL 0 at a = 0, for every blend.
+    for variant, d in res["drift"]["0"].items():
+        assert d["rows"][0]["a"] == 0.0 and d["rows"][0]["kl"] == 0.0, variant
+    # Why migrate: every test ran for both models; a pre-norm block with zero branch outputs is exactly the identity.
+    assert set(res["why"]) == {f"{t}/{m}" for t in ("lr3", "lr10", "deepen") for m in ("unchanged", "migrated")}
+    deep = res["why"]["deepen/migrated"][0]
+    assert deep["start"] == deep["source_end"]
+    assert res["why_verdict"] is not None and "Why migrate" in md
+
+
