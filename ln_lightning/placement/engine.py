@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import sys
 from typing import Any
 
 import torch
@@ -41,13 +42,15 @@ def _one_thread():
     # cyclic garbage collector waits too: a recording holds thousands of objects (none in cycles),
     # which each of its passes would walk again (a quarter of a 96-block recording's time).
     # Probes run eagerly: a torch.compile'd model or submodule would otherwise have Dynamo trace the
-    # recording's TorchFunctionMode, which it gets wrong (`Tensor.device` came back a torch.Size).
+    # recording's TorchFunctionMode, which it gets wrong (`Tensor.device` came back a torch.Size). Only
+    # where Dynamo is loaded (a compiled module needs it): importing it costs seconds.
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     collecting = gc.isenabled()
     gc.disable()
+    eager = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else contextlib.nullcontext()
     try:
-        with torch.compiler.set_stance("force_eager"):
+        with eager:
             yield
     finally:
         torch.set_num_threads(n)
