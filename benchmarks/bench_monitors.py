@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -185,6 +186,7 @@ def main(argv=None) -> None:
           f"{args.blocks} alternating blocks of {args.every} steps")
 
     result: dict = {"argv": sys.argv[1:] if argv is None else list(argv), "torch_threads": torch.get_num_threads(),
+                    "load_average_start": os.getloadavg()[0],
                     "every": args.every, "blocks": args.blocks, "layers": args.layers, "d_model": args.d_model,
                     "batch": [args.batch_size, args.block_size]}
     clock = MonitorClock()
@@ -263,6 +265,7 @@ def main(argv=None) -> None:
                             "per_logging_step_per_callback": len(syncs) / len(log_steps) / 3,
                             "on_other_steps": sum(1 for s in syncs if s not in near_log)}
     if args.json:
+        result["load_average_end"] = os.getloadavg()[0]
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 
