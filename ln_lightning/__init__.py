@@ -37,6 +37,10 @@ _EXPORTS = {
     "load_converted": "ln_lightning.plugin",
     "UnsupportedStrategyError": "ln_lightning.plugin",
     "accept_unconverted": "ln_lightning.placement.state",
+    # shipping a converted model
+    "save_pretrained": "ln_lightning.export.hf",
+    "from_pretrained": "ln_lightning.export.hf",
+    "to_native": "ln_lightning.export.native",
     # monitors
     "StreamNormMonitor": "ln_lightning.callbacks",
     "LayerNormInputMonitor": "ln_lightning.callbacks",
@@ -48,6 +52,8 @@ _EXPORTS = {
 if TYPE_CHECKING:  # static view of the lazy names above, for type checkers and IDEs
     from ln_lightning._warnings import LNLightningWarning
     from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
+    from ln_lightning.export.hf import from_pretrained, save_pretrained
+    from ln_lightning.export.native import to_native
     from ln_lightning.norm import FusedAddLayerNorm, FusedLayerNorm, fused_add_layer_norm, swap_layernorms
     from ln_lightning.placement import (
         ConversionReport,
@@ -79,12 +85,15 @@ __all__ = [
     "__version__",
     "accept_unconverted",
     "convert",
+    "from_pretrained",
     "fused_add_layer_norm",
     "inspect_model",
     "load_converted",
     "register_block",
     "register_norm_class",
+    "save_pretrained",
     "swap_layernorms",
+    "to_native",
 ]
 
 

@@ -2,6 +2,7 @@
 
     ln-lightning inspect MODULE:FACTORY [--json] [--placement pre|post]
     ln-lightning demo                              # convert the built-in post-norm model, print the report
+    ln-lightning export CHECKPOINT OUT_DIR         # a checkpoint written with LNPlacement -> a Hugging Face directory
     ln-lightning fit --config configs/NAME.yaml    # LightningCLI, with LNPlacement and the monitors
     ln-lightning validate|test|predict ...
 """
@@ -17,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         from ln_lightning.placement.cli import main as placement_main
 
         return placement_main(argv)
+    if argv and argv[0] == "export":
+        from ln_lightning.export.cli import main as export_main
+
+        return export_main(argv)
     if argv and argv[0] in ("fit", "validate", "test", "predict"):
         from ln_lightning.lightning_cli import main as lightning_main
 

@@ -41,7 +41,7 @@ class Sandwich(nn.Module):
 
 
 class Parallel(nn.Module):
-    """GPT-J style: both branches read the same normalised stream."""
+    """Both branches read the same normalised stream, added one after the other (Cohere, StableLM)."""
 
     def __init__(self, d=8):
         super().__init__()
@@ -50,6 +50,25 @@ class Parallel(nn.Module):
     def forward(self, x):
         h = self.ln(x)
         return x + self.a(h) + self.b(h)
+
+
+class ParallelSumFirst(Parallel):
+    """GPT-J / CodeGen / Falcon: the branches' sum, then the residual."""
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.a(h) + self.b(h) + x
+
+
+class ParallelTwoNorms(Parallel):
+    """GPT-NeoX / StableLM parallel: a norm per branch."""
+
+    def __init__(self, d=8):
+        super().__init__(d)
+        self.ln2 = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.a(self.ln(x)) + self.b(self.ln2(x))
 
 
 class FunctionFirst(nn.Module):
@@ -177,7 +196,6 @@ def test_block_styles_status_and_reason(cls, status, reason):
 @pytest.mark.parametrize(
     "cls, reason",
     [
-        (Parallel, "parallel branches"),
         (NoResidual, "no single residual add"),
     ],
 )
@@ -191,6 +209,74 @@ def test_unreadable_blocks_are_reported_not_guessed(cls, reason):
     assert not conv.changed and any(reason in n for n in conv.notes)
     with pytest.raises(PlacementError, match="not recognised"):
         convert(model, "pre", strict=True)
+
+
+@pytest.mark.parametrize("cls", [Parallel, ParallelSumFirst, ParallelTwoNorms])
+@pytest.mark.parametrize("with_example", [False, True])
+def test_parallel_residual_blocks_have_one_status_and_one_rule(cls, with_example):
+    """Whatever the order of the adds and whether the branches share a norm: one sublayer, pre-norm,
+    parallel. 'pre' leaves it as it is; 'post' is refused (written pre-norm); 'peri' and 'output' are
+    refused with the one parallel-residual reason; the model is bit for bit unchanged every time."""
+    from ln_lightning.placement.analysis import PARALLEL
+
+    torch.manual_seed(0)
+    model = nn.ModuleList([cls(), cls()])
+    x = torch.randn(2, 5, 8)
+    ex = x if with_example else None
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = model
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    holder = Holder()
+    report = inspect_model(holder, example_input=ex)
+    assert [[(s.placement, s.parallel) for s in b.sublayers] for b in report.blocks] == [[("pre", True)]] * 2, str(report)
+    y0 = holder(x)
+    state = {k: v.clone() for k, v in holder.state_dict().items()}
+    for placement, status, reason in [("pre", "already", "parallel-residual block"), ("post", "skipped", "can only undo its own rewrite"),
+                                      ("peri", "skipped", PARALLEL), ("output", "skipped", PARALLEL)]:
+        conv = convert(holder, placement, example_input=ex, final_norm=False)
+        assert [(b.status, reason in b.reason) for b in conv.blocks] == [(status, True)] * 2, (placement, str(conv))
+        assert not conv.changed
+        torch.testing.assert_close(holder(x), y0, atol=0, rtol=0)
+        assert holder.state_dict().keys() == state.keys() and all(torch.equal(holder.state_dict()[k], v) for k, v in state.items())
+
+
+def test_a_post_norm_parallel_block_converts_to_the_shared_norm_form():
+    """`N(x + (A(x) + M(x)))` to pre: `x + A(N x) + M(N x)`; the same added one after the other is refused."""
+
+    class PostParallel(nn.Module):
+        def __init__(self, d=8):
+            super().__init__()
+            self.ln, self.a, self.b = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
+
+        def forward(self, x):
+            return self.ln(x + (self.a(x) + self.b(x)))
+
+    class PostChained(PostParallel):
+        def forward(self, x):
+            return self.ln(x + self.a(x) + self.b(x))
+
+    torch.manual_seed(0)
+    model = nn.ModuleList([PostParallel()])
+    with torch.no_grad():
+        model[0].ln.weight.normal_(1.0, 0.3), model[0].ln.bias.normal_(0.0, 0.3)
+    orig = copy.deepcopy(model)
+    report = convert(model, "pre", final_norm=False)
+    assert [b.status for b in report.blocks] == ["converted"], str(report)
+    x = torch.randn(2, 5, 8)
+    o = orig[0]
+    h = F.layer_norm(x, (8,), o.ln.weight, o.ln.bias, o.ln.eps)
+    torch.testing.assert_close(model[0](x), x + o.a(h) + o.b(h), atol=1e-6, rtol=1e-6)
+    chained = nn.ModuleList([PostChained()])
+    report = convert(chained, "pre", final_norm=False)
+    assert report.blocks[0].status == "skipped" and "one after another" in report.blocks[0].reason, str(report)
 
 
 def test_register_block_makes_an_untraceable_block_convertible():

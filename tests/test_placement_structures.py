@@ -273,13 +273,28 @@ def test_sequential_stack_of_single_sublayer_blocks():
     torch.testing.assert_close(model.body_final_norm.weight, orig.body[3].norm.weight)
 
 
-def test_root_sequential_stack_is_converted_and_says_why_no_final_norm():
+def test_root_sequential_stack_gets_its_final_norm_on_its_last_block():
+    """The model itself is the Sequential: its last block holds the final norm (a container would run
+    an added child as a layer) and applies it to its output, once, before the head."""
+    torch.manual_seed(0)
     model = nn.Sequential(*[SeqBlock(8) for _ in range(3)], nn.Linear(8, 2))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.normal_(1.0, 0.3), m.bias.normal_(0.0, 0.3)
+    orig = copy.deepcopy(model)
     report = convert(model, "pre")
-    assert [b.status for b in report.blocks] == ["converted"] * 3 and report.added == []
-    assert any("wrap it in a module" in n for n in report.notes)
-    with pytest.raises(Exception, match="wrap it in a module"):
-        convert(nn.Sequential(*[SeqBlock(8) for _ in range(2)]), "pre", strict=True)
+    assert [b.status for b in report.blocks] == ["converted"] * 3 and report.added == ["2.final_norm"], str(report)
+    assert len(model) == 4 and [type(m) for m in model] == [type(m) for m in orig]
+    x = torch.randn(2, 5, 8)
+    s = x
+    for blk in orig[:3]:
+        s = s + blk.ff(F.layer_norm(s, (8,), blk.norm.weight, blk.norm.bias, blk.norm.eps))
+    final = model[2].final_norm
+    torch.testing.assert_close(final.weight, orig[2].norm.weight)  # a copy of the last block's norm
+    expected = orig[3](F.layer_norm(s, (8,), final.weight, final.bias, final.eps))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("mode", _modes())

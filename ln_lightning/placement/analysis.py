@@ -8,6 +8,11 @@ A sublayer is found where the stream `s` meets a value `b` computed from it in a
     output    s' = s + N(F(s))             (OLMo 2)
     none      s' = s + F(s)
 
+Several values computed from `s` summed into it at once, in the block's own forward and in any
+order of adds, are one *parallel* sublayer (`s + A(N1 s) + M(N2 s)`, GPT-J to Cohere; see
+`PARALLEL` for what each placement does with it). Between sublayers the stream may be multiplied
+by a mask or have its tokens regrouped (`reshape(-1, d)`); both are followed.
+
 For a post-norm sublayer, the rewrite needs every place where the branch reads the stream: the
 outermost module calls inside the block that receive `s` as an argument and do not contain the
 residual add (the branch's *entries*: all of q, k and v; every argument position or keyword that
@@ -37,23 +42,36 @@ class ObservedSublayer:
     plan: RewritePlan | None  # post only: where the hooks go
     reason: str = ""  # post only: why it can't be rewritten (plan is None)
     out_norm: str | None = None  # peri / output: the norm on the branch's output
+    parallel: bool = False  # several branches of the stream summed into it at once (see PARALLEL)
+
+
+def stream_input_at(call: Event) -> tuple[tuple | None, int | None]:
+    """(where, value) of the residual stream among a block call's arguments."""
+    for where in (("arg", 0), ("kwarg", "hidden_states"), ("kwarg", "x"), ("kwarg", "hidden")):
+        v = call.input_value(where)
+        if v is not None:
+            return where, v
+    top = [(w, v) for w, v in call.inputs if len(w) == 2]
+    return top[0] if top else (None, None)
 
 
 def stream_input(call: Event) -> int | None:
     """The value that carries the residual stream into a block call."""
-    for where in (("arg", 0), ("kwarg", "hidden_states"), ("kwarg", "x"), ("kwarg", "hidden")):
-        v = call.input_value(where)
-        if v is not None:
-            return v
-    top = [v for w, v in call.inputs if len(w) == 2]
-    return top[0] if top else None
+    return stream_input_at(call)[1]
+
+
+def stream_output_at(call: Event) -> tuple[tuple | None, int | None]:
+    """(where, value) of the residual stream in a block call's output."""
+    for where, v in call.outputs:
+        if where in ((), (0,)):
+            return where, v
+    if call.outputs and len(call.outputs[0][0]) == 1:
+        return call.outputs[0]
+    return None, None
 
 
 def stream_output(call: Event) -> int | None:
-    for where, v in call.outputs:
-        if where in ((), (0,)):
-            return v
-    return call.outputs[0][1] if call.outputs and len(call.outputs[0][0]) == 1 else None
+    return stream_output_at(call)[1]
 
 
 def _is_norm(e: Event, types) -> bool:
@@ -76,11 +94,18 @@ class _Block:
 
     def __init__(self, rec: Recording, call: Event, types):
         self.rec, self.call, self.types = rec, call, types
-        outs = {v for _, v in call.outputs}
-        self.feeds_output: set[int] = set(outs)
-        for v in outs:
-            self.feeds_output |= rec.ancestors(v, within=call)
+        self._feeds_output: set[int] | None = None
         self.earlier_streams: list[int] = []
+
+    @property
+    def feeds_output(self) -> set[int]:
+        """The values the block's outputs are computed from (walked once, when first asked)."""
+        if self._feeds_output is None:
+            outs = {v for _, v in self.call.outputs}
+            self._feeds_output = set(outs)
+            for v in outs:
+                self._feeds_output |= self.rec.ancestors(v, within=self.call)
+        return self._feeds_output
 
     def uses(self, e: Event, v: int) -> bool:
         """Does `e` really read `v`? A module call that only carries it along (inside a list argument
@@ -91,8 +116,10 @@ class _Block:
 
     def observer(self, e: Event) -> bool:
         """Reads a value but nothing it computes reaches the block's output: a check on the input
-        that steers control flow, a logging call. It is no part of the function the block computes."""
-        return not any(v in self.feeds_output for _, v in e.outputs)
+        that steers control flow, a logging call. It is no part of the function the block computes.
+        A call that carries the values out of torch (numpy, a list, a pointer) is never one: where
+        they go from there can't be seen."""
+        return not e.leaves and not any(v in self.feeds_output for _, v in e.outputs)
 
     def readers(self, v: int) -> list[Event]:
         c = self.call
@@ -106,29 +133,63 @@ class _Block:
 
 
 _MASKS = {"mul", "__mul__", "__rmul__", "__imul__", "mul_"}
+# Rearrangements of the tokens that keep each token's features together (a per-token norm commutes with them).
+_LAYOUT = {"reshape", "view", "flatten", "unflatten", "view_as", "reshape_as", "contiguous"}
+
+
+def _single_reader(rec: Recording, s: int, call: Event, pass_throughs: bool = True) -> Event | None:
+    readers = [rec.events[r] for r in rec.values[s].readers if call.index < r <= call.end]
+    if pass_throughs:
+        readers = [r for r in readers if [v for _, v in r.outputs] != [s]]  # dropout in eval, a deferred norm
+    return readers[0] if len(readers) == 1 and readers[0].kind == "function" and readers[0].outputs else None
+
+
+def _layout_step(rec: Recording, r: Event, s: int) -> int | None:
+    """The output of `r` if it only regroups the tokens of `s` (OPT flattens batch and sequence for its MLP)."""
+    if r.name not in _LAYOUT or any(v != s for _, v in r.inputs):
+        return None
+    x, y = rec.values[s].tensor, rec.values[r.outputs[0][1]].tensor
+    if y.numel() != x.numel() or y.dim() == 0 or x.dim() == 0 or y.shape[-1] != x.shape[-1]:
+        return None
+    return r.outputs[0][1]
+
+
+def follow_layout(rec: Recording, s: int, call: Event) -> int:
+    """`s` after the token regroupings (reshape, view) applied to it alone (a pass-through, a
+    deferred norm's call site, stops it: that is where the sum is taken)."""
+    for _ in range(8):
+        r = _single_reader(rec, s, call, pass_throughs=False)
+        nxt = _layout_step(rec, r, s) if r is not None else None
+        if nxt is None:
+            return s
+        s = nxt
+    return s
 
 
 def follow_stream_ops(rec: Recording, s: int, call: Event) -> int:
     """The stream after what a forward does to it between sublayers without a branch: a multiply by a
-    mask that does not depend on the stream (XLM zeroes padded positions with `tensor *= mask`)."""
+    mask that does not depend on the stream (XLM zeroes padded positions with `tensor *= mask`), a
+    regrouping of its tokens (OPT's `reshape(-1, d)` before its MLP)."""
     for _ in range(8):
-        readers = [rec.events[r] for r in rec.values[s].readers if call.index < r <= call.end]
-        readers = [r for r in readers if [v for _, v in r.outputs] != [s]]  # pass-throughs: dropout in eval, a deferred norm
-        if len(readers) != 1 or readers[0].kind != "function" or readers[0].name not in _MASKS:
+        r = _single_reader(rec, s, call)
+        if r is None:
             return s
-        r = readers[0]
-        others = [v for _, v in r.inputs if v != s]
-        if len(others) != 1 or others[0] in rec.descendants(s, within=call) or not r.outputs:
-            return s
-        s = r.outputs[0][1]
+        nxt = _layout_step(rec, r, s)
+        if nxt is None:
+            others = [v for _, v in r.inputs if v != s]
+            if r.name not in _MASKS or len(others) != 1 or others[0] in rec.descendants(s, within=call):
+                return s
+            nxt = r.outputs[0][1]
+        s = nxt
     return s
 
 
-def analyse(rec: Recording, call: Event, types: tuple, start: int | None = None) -> list[ObservedSublayer]:
-    """The sublayers of the block whose call is `call` (its stream from the value `start` when the
-    stream is not the block's first input); raises Unrecognised with the reason."""
+def analyse(rec: Recording, call: Event, types: tuple, start: int | None = None, end: int | None = None) -> list[ObservedSublayer]:
+    """The sublayers of the block whose call is `call`, along its stream from the value `start` (by
+    default the block's stream input) to the value `end` (by default its stream output); raises
+    Unrecognised with the reason."""
     blk = _Block(rec, call, types)
-    s, out = (stream_input(call) if start is None else start), stream_output(call)
+    s, out = (stream_input(call) if start is None else start), (stream_output(call) if end is None else end)
     if s is None:
         raise Unrecognised("the block received no tensor")
     if out is None:
@@ -174,20 +235,48 @@ def _next_sublayer(blk: _Block, s: int, index: int) -> tuple[ObservedSublayer, i
         raise Unrecognised("the stream enters several residual adds (parallel branches); only one add per sublayer is supported")
     add, b = adds[0]
     a = _out(add)
-    branch_vals = (rec.ancestors(b, within=blk.call) | {b}) & (desc | {s})
-    # Norms around the branch.
-    a_readers = blk.readers(a)
-    post = _outermost([e for e in a_readers if _is_norm(e, blk.types) and _first_arg(e) == a], blk)
+    # Parallel branches: the terms summed into the stream at the block's own level (GPT-J's
+    # `attn + mlp + residual`), and later adds of more values computed from `s` but not from the
+    # sum (Cohere's `residual + attn + mlp`).
+    terms, chained = _terms(blk, b), False
+    while True:
+        readers_a = blk.readers(a)
+        nxt = [e for e in readers_a if e.is_add]
+        if len(nxt) != 1:
+            break
+        other = next(v for _, v in nxt[0].inputs if v != a)
+        if other not in desc:
+            break
+        # Made before the sum, it can't be computed from it (the usual order: branches first, then the adds).
+        made_before = _done_before(rec, other, a)
+        if not made_before and other in rec.descendants(a, within=blk.call):
+            break
+        if any(e is not nxt[0] and not blk.observer(e) for e in readers_a):
+            break
+        terms += _terms(blk, other)
+        chained, add, a = True, nxt[0], _out(nxt[0])
+    parallel = sum(t in desc for t in terms) >= 2
+    branch_vals = set()
+    for t in [b, *terms]:
+        branch_vals |= (rec.ancestors(t, within=blk.call) | {t}) & (desc | {s})
+    # Norms around the branch (the sum as the norm receives it: OPT views it back to 3-D first).
+    a_norm = follow_layout(rec, a, blk.call)
+    a_readers = blk.readers(a_norm)
+    post = _outermost([e for e in a_readers if _is_norm(e, blk.types) and _first_arg(e) == a_norm], blk)
     outside_post = [e for e in a_readers if not any(blk.contains(n, e) for n in post)]
     in_norm = _outermost([e for e in readers if _is_norm(e, blk.types) and _first_arg(e) == s and _out(e) in branch_vals], blk)
-    out_norm = _outermost([e for e in _calls_producing(blk, b) if _is_norm(e, blk.types)], blk)
+    out_norm = _outermost([e for e in _calls_producing(blk, b) if _is_norm(e, blk.types)], blk) if not parallel else []
     branch_modules = _branch_modules(blk, s, branch_vals, add)
-    branch = " > ".join(branch_modules) or "(functions)"
+    branch = (" + " if parallel else " > ").join(branch_modules) or "(functions)"
     if len(post) == 1 and not outside_post:
         norm_call = post[0]
         if in_norm:
             raise Unrecognised("a sublayer with a norm both before its branch and after its add is not supported")
-        sub = ObservedSublayer(index, "post", norm_call.name, branch, None)
+        sub = ObservedSublayer(index, "post", norm_call.name, branch, None, parallel=parallel)
+        if chained:
+            sub.reason = ("its parallel branches are added to the stream one after another (x + A(x) + M(x) as (x + A) + M); "
+                          "only a post-norm sum added at once, N(x + (A(x) + M(x))), can be moved")
+            return sub, _out(norm_call)
         try:
             sub.plan = _plan(blk, s, b, add, norm_call, branch_vals)
         except Unrecognised as e:
@@ -195,14 +284,43 @@ def _next_sublayer(blk: _Block, s: int, index: int) -> tuple[ObservedSublayer, i
         return sub, _out(norm_call)
     if in_norm:
         # Where the branch ends, for the placements that add or move a norm there (peri, output).
-        exit_module, exit_index, why = _exit(blk, b, add)
+        exit_module, exit_index, why = _exit(blk, b, add) if not parallel else (None, None, PARALLEL)
         plan = RewritePlan(in_norm[0].name, [], exit_module, exit_index, why)
         if out_norm:
             return ObservedSublayer(index, "peri", in_norm[0].name, branch, plan, out_norm=out_norm[-1].name), a
-        return ObservedSublayer(index, "pre", in_norm[0].name, branch, plan), a
+        return ObservedSublayer(index, "pre", in_norm[0].name, branch, plan, parallel=parallel), a
     if out_norm:
         return ObservedSublayer(index, "output", out_norm[-1].name, branch, None, out_norm=out_norm[-1].name), a
-    return ObservedSublayer(index, "none", None, branch, None), a
+    return ObservedSublayer(index, "none", None, branch, None, parallel=parallel), a
+
+
+# The one rule for parallel-residual blocks, whatever the family (the README's "What is recognised" says
+# the same): reported as one sublayer, placement as written (pre for every family, each branch reading a
+# normalised stream), marked parallel; "pre": already; "post": refused (written pre-norm); "peri" /
+# "output": refused with this reason; a post-norm one `N(x + (A(x) + M(x)))` converts to the shared-norm form.
+PARALLEL = (
+    "a parallel-residual sublayer (x + A(N1(x)) + M(N2(x)), or one norm shared by the branches) has no single branch "
+    "output: peri and output placements would need a norm on each branch's output, which ln_lightning does not add"
+)
+
+
+def _done_before(rec: Recording, v: int, w: int) -> bool:
+    """Was value `v` complete before `w` was made (so it can't depend on `w`)?"""
+    pv, pw = rec.values[v].producer, rec.values[w].producer
+    if pv is None or pw is None:
+        return pv is None and pw is not None
+    e = rec.events[pv]
+    return (e.end if e.kind == "module" else e.index) < pw
+
+
+def _terms(blk: _Block, v: int) -> list[int]:
+    """The values summed into `v` by adds in the block's own forward (not inside a branch module)."""
+    p = blk.rec.values[v].producer
+    if p is not None:
+        e = blk.rec.events[p]
+        if e.is_add and e.frames and e.frames[-1] == blk.call.index:
+            return [t for _, i in e.inputs for t in _terms(blk, i)]
+    return [v]
 
 
 def _outermost(calls: list[Event], blk: _Block) -> list[Event]:
@@ -242,7 +360,12 @@ def _plan(blk: _Block, s: int, b: int, add: Event, norm_call: Event, branch_vals
             continue
         if blk.observer(r):
             continue  # control flow or logging on the input: unchanged by the rewrite
-        if not any(v in branch_vals for _, v in r.outputs):
+        if r.leaves and _entry_frame(blk, r, s, add) is None:
+            raise Unrecognised(
+                f"the branch takes the stream out of torch with `{r.name}` (a copy of its values the recording can't "
+                "follow), so there is no module call to hand LN(x) to; do that step inside a module"
+            )
+        if not r.leaves and not any(v in branch_vals for _, v in r.outputs):
             raise Unrecognised(f"the stream also feeds `{r.name}` outside the sublayer (parallel branches, or an extra output)")
         entry = _entry_frame(blk, r, s, add)
         if entry is None:

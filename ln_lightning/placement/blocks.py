@@ -7,7 +7,10 @@
   the hooks of `hooks.py`; the user's forward keeps running.
 
 Every handler checks a converted block on a probe input against the formula it promises,
-`s <- s + c * F(LN(s))` per sublayer, before `convert` reports it converted.
+`s <- s + c * F(LN(s))` per sublayer, before `convert` reports it converted: torch's layers
+against the formula written with their own submodules; hooked blocks twice, from a recorded
+forward of the rewritten block (`checks.py`) and against their original modules run as black
+boxes (`black_box.py`), which does not depend on what the recording sees.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ln_lightning.placement import hooks
+from ln_lightning.placement import black_box, hooks
 from ln_lightning.placement.checks import CheckFailed, SublayerCheck, check_hooked, relative_error
 from ln_lightning.placement.plan import RewritePlan, Unrecognised
 from ln_lightning.placement.report import BlockInfo, SublayerInfo
@@ -45,11 +48,24 @@ class ScaleFactory:
     def __call__(self, norm: nn.Module) -> BranchScale | None:
         if self.kind is None:
             return None
-        w = getattr(norm, "weight", None)
-        dim = norm.normalized_shape[-1] if hasattr(norm, "normalized_shape") else None
+        from ln_lightning.placement.norms import norm_width
+
+        w = next(iter(norm.parameters()), None)
+        dim = norm_width(norm)
         device = w.device if w is not None else None
         dtype = w.dtype if w is not None else None
         return BranchScale(self.value, dim=dim, learnable=self.kind == "layerscale", device=device, dtype=dtype)
+
+
+def required_as_none(block: nn.Module) -> dict:
+    """None for each argument of the block's forward after the stream that has no default (Pegasus'
+    encoder layer requires `attention_mask`, which may be None): a probe passes only the stream."""
+    try:
+        params = list(inspect.signature(block.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: None for p in params
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _scale_value(scale: nn.Module | None):
@@ -81,7 +97,7 @@ class Handler:
         return self.norms()[0].normalized_shape[-1]
 
     def probe_args(self, x: torch.Tensor) -> tuple[tuple, dict]:
-        return (x,), {}
+        return (x,), required_as_none(self.block)
 
     # -- rewriting ------------------------------------------------------------------------------
     def can_convert_to(self, placement: str, scales=None) -> str | None:
@@ -107,9 +123,15 @@ class Handler:
     def to_post(self) -> list[str]:
         raise NotImplementedError
 
-    def check(self, args: tuple, kwargs: dict, placement: str) -> tuple[float, torch.Tensor]:
+    def check(self, args: tuple, kwargs: dict, placement: str) -> tuple[float, object]:
         """(relative error of the block's output against its formula, the output)."""
         raise NotImplementedError
+
+    def reference_error(self, args: tuple, kwargs: dict, output) -> tuple[float, float] | None:
+        """(relative error of `output`, the rewritten block's on these arguments, against the block's
+        original modules run as black boxes (`black_box.py`), the reference's own rounding bound);
+        None where the handler's own check is already independent of any recording (torch's layers)."""
+        return None
 
     def _add_scale(self, name: str, scale: BranchScale) -> str:
         if hasattr(self.block, name):
@@ -248,6 +270,20 @@ class HookedSublayer:
     plan: RewritePlan | None
     reason: str = ""  # why it cannot be rewritten (when plan is None)
     out_norm: str | None = None  # peri / output: the norm on the branch's output
+    stream: int = 0  # which of the block's streams (HookedHandler.streams) it is on
+    parallel: bool = False  # parallel branches summed into the stream at once (analysis.PARALLEL)
+
+
+@dataclass
+class Stream:
+    """A residual stream a block carries (LiLT's blocks carry two: text and layout)."""
+
+    label: str  # the block's argument that carries it, for the reader
+    enters: tuple | None  # ("arg", i) | ("kwarg", name) | ("module", path): a submodule's output (XLM); None: the first argument
+    leaves: tuple | None  # where in the block's output; None: its stream element (`hooks.stream_of`)
+
+
+PRIMARY = Stream("stream", None, None)
 
 
 _STATE = "_ln_lightning_sublayers"  # on a rewritten block: each sublayer's placement now
@@ -266,10 +302,11 @@ _MOVES = {
 
 
 class HookedHandler(Handler):
-    def __init__(self, block, path, subs: list[HookedSublayer], recogniser: str):
+    def __init__(self, block, path, subs: list[HookedSublayer], recogniser: str, streams: list[Stream] | None = None):
         super().__init__(block, path)
         self.subs = subs
         self.recogniser = recogniser
+        self.streams = streams or [PRIMARY]
 
     def _get(self, rel: str) -> nn.Module:
         return self.block.get_submodule(rel) if rel else self.block
@@ -286,7 +323,9 @@ class HookedHandler(Handler):
         return sub.written
 
     def sublayers(self):
-        return [SublayerInfo(s.name, self._current(i, s), self._full(s.norm), s.branch) for i, s in enumerate(self.subs)]
+        return [SublayerInfo(s.name, self._current(i, s), self._full(s.norm), s.branch, s.parallel,
+                             self.streams[s.stream].label if len(self.streams) > 1 else None)
+                for i, s in enumerate(self.subs)]
 
     def as_written(self) -> bool:
         return _STATE not in self.block.__dict__
@@ -295,13 +334,16 @@ class HookedHandler(Handler):
         return [self._get(s.norm) for s in self.subs if s.norm is not None]
 
     def output_norm(self):
-        last = self.subs[-1]
+        last = [s for s in self.subs if s.stream == 0][-1]  # the stack's stream is the first one
         return self._get(last.norm) if last.norm is not None and last.written == "post" else None
 
     def stream_dim(self) -> int:
-        n = self.norms()[0]
-        shape = getattr(n, "normalized_shape", None)
-        return int(shape[-1]) if shape else int(n.weight.shape[-1])
+        from ln_lightning.placement.norms import norm_width
+
+        width = norm_width(self.norms()[0])
+        if width is None:
+            raise Unrecognised(f"could not tell the stream's width from the norm {self.subs[0].norm}")
+        return width
 
     def _scale_name(self, sub: HookedSublayer) -> str:
         return f"{sub.name.replace('.', '_')}_scale"
@@ -310,9 +352,20 @@ class HookedHandler(Handler):
         return f"{sub.name.replace('.', '_')}_out_norm"
 
     def can_convert_to(self, placement, scales: ScaleFactory | None = None):
+        reason = self._refusal(placement, scales)
+        if reason and len(self.streams) > 1:
+            return f"{reason} (the block carries {len(self.streams)} streams, {', '.join(s.label for s in self.streams)}: all are converted or none)"
+        return reason
+
+    def _refusal(self, placement, scales: ScaleFactory | None = None):
+        from ln_lightning.placement.analysis import PARALLEL
+
         for s in self.subs:
+            where = f"stream {self.streams[s.stream].label}: " if len(self.streams) > 1 else ""
             if s.written == placement:
                 continue
+            if s.parallel and placement in ("peri", "output"):
+                return where + PARALLEL
             if placement == "post":
                 return (
                     f"the block is written as {s.written}-norm in its own forward; ln_lightning moves norms with hooks "
@@ -324,7 +377,7 @@ class HookedHandler(Handler):
                     return f"its sublayers are written as {shown}; only post-norm (and peri) sublayers can be moved to pre-norm"
                 return f"a sublayer written as {shown}-norm can't be made {placement}-norm"
             if s.plan is None:
-                return s.reason or f"sublayer {s.name}: no plan for the rewrite"
+                return where + (s.reason or f"sublayer {s.name}: no plan for the rewrite")
             if placement in ("peri", "output") and s.written in ("post", "pre") and s.plan.exit_module is None:
                 return f"sublayer {s.name}: {s.plan.exit_reason}, so there is no module whose output can be normalised"
             if scales is not None and scales.kind is not None and s.plan.exit_module is None:
@@ -396,18 +449,21 @@ class HookedHandler(Handler):
     def to_post(self):
         return self.to("post", ScaleFactory(None, 1, None))[1]
 
+    def _undone(self, placement) -> bool:
+        return placement == "post" or all(placement == s.written for s in self.subs)
+
     def check(self, args, kwargs, placement):
-        if placement == "post" or all(placement == s.written for s in self.subs):
+        if self._undone(placement):
             # Undoing our hooks must give back the user's own forward exactly: no hook of ours may be
             # left, and the output must equal the bypassed (original) function.
             left = [p for p, m in self.block.named_modules() if hooks.our_hooks(m) or hooks.is_deferred(m)]
             if left:
                 raise CheckFailed(f"ln_lightning hooks are still attached at {', '.join(left)}")
             fresh = copy.deepcopy((args, kwargs))  # a KV cache among the arguments is written by each call
-            out = hooks.stream_of(self.block(*args, **kwargs))
+            out = self.block(*args, **kwargs)
             with hooks.bypass():
-                return relative_error(out, hooks.stream_of(self.block(*fresh[0], **fresh[1]))), out
-        specs = []
+                return relative_error(hooks.stream_of(out), hooks.stream_of(self.block(*fresh[0], **fresh[1]))), out
+        specs: list[list[SublayerCheck]] = [[] for _ in self.streams]
         for i, s in enumerate(self.subs):
             target = self._current(i, s)
             p = s.plan
@@ -415,7 +471,7 @@ class HookedHandler(Handler):
             out_norm = self._get(self._out_norm_name(s)) if (target == "peri" and s.written != "peri") else None
             if target == "output" and s.written in ("post", "pre"):
                 out_norm = self._get(s.norm)
-            specs.append(SublayerCheck(
+            specs[s.stream].append(SublayerCheck(
                 entries=p.entries if ours else [], in_norm=self._get(s.norm) if ours else None,
                 exit_module=p.exit_module if p is not None else None, exit_index=p.exit_index if p is not None else None,
                 out_norm=out_norm, scale=getattr(self.block, self._scale_name(s), None),
@@ -423,7 +479,50 @@ class HookedHandler(Handler):
             ))
         from ln_lightning.placement import families
 
-        return check_hooked(self.block, specs, args, kwargs, start=families.stream_start_fn(self.block))
+        streams = [(None if st.enters is None or st.enters[0] == "module" else st.enters, st.leaves, sc)
+                   for st, sc in zip(self.streams, specs)]
+        return check_hooked(self.block, streams, args, kwargs, start=families.stream_start_fn(self.block))
+
+    def reference_error(self, args, kwargs, output) -> float | None:
+        if self.as_written():
+            return None  # nothing of ours on it: `check` compared it with the original function itself
+        refs = []
+        for j, st in enumerate(self.streams):
+            subs = [self._reference_sublayer(s, self._current(i, s)) for i, s in enumerate(self.subs) if s.stream == j]
+            refs.append(black_box.ReferenceStream(st.enters or ("arg", 0), st.leaves, subs))
+        expected = black_box.reference_outputs(self.block, refs, args, kwargs)
+        err, bounds = 0.0, []
+        for st, (want, bound) in zip(self.streams, expected):
+            got = black_box.at(output, st.leaves)
+            if got is None:
+                raise CheckFailed(f"the rewritten block returned no {st.label} stream")
+            err = max(err, relative_error(got, want))
+            bounds.append(bound)
+        return err, _MaxOf(bounds)
+
+    def _reference_sublayer(self, s: HookedSublayer, target: str) -> black_box.ReferenceSublayer:
+        """What the target placement makes of sublayer `s`: the norm at its branch input, the norm on its
+        branch output, its scale (see `_MOVES`), as paths inside the block."""
+        if s.written not in ("post", "pre", "peri") or target not in ("pre", "peri", "output") or (s.written, target) == ("post", "post"):
+            raise CheckFailed(f"sublayer {s.name}: no black-box reference for {s.written} -> {target}")
+        into = s.norm if target in ("pre", "peri") else None
+        out = {
+            "pre": None,
+            "peri": s.out_norm if s.written == "peri" else self._out_norm_name(s),
+            "output": s.out_norm if s.written == "peri" else s.norm,
+        }[target]
+        scale = self._scale_name(s) if isinstance(getattr(self.block, self._scale_name(s), None), nn.Module) else None
+        return black_box.ReferenceSublayer(s.written, s.norm, s.out_norm if s.written == "peri" else None, into, out, scale)
+
+
+class _MaxOf:
+    """The largest of some lazily computed bounds: `float(...)` computes them."""
+
+    def __init__(self, bounds):
+        self.bounds = bounds
+
+    def __float__(self) -> float:
+        return max((float(b) for b in self.bounds), default=0.0)
 
 
 def fresh_norm_like(norm: nn.Module) -> nn.Module:

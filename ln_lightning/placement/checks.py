@@ -11,7 +11,9 @@ block must show, for every sublayer, with the stream `s` it receives:
 * the norm's call site passes that sum through unchanged, and it is the next sublayer's stream;
 * the block's output stream is the last sum.
 
-A rewrite that computes anything else fails one of these, whatever the hooks were told.
+The same for each stream a block carries (LiLT's text and layout). A rewrite that computes anything
+else fails one of these, whatever the hooks were told, as far as the recording sees the forward: what
+it can't see (a kernel called out of torch function handling) `black_box.py` checks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from ln_lightning.placement import hooks
-from ln_lightning.placement.analysis import follow_stream_ops, stream_input, stream_output
+from ln_lightning.placement.analysis import follow_layout, follow_stream_ops, stream_input, stream_output
 from ln_lightning.placement.recording import record
 
 # Relative tolerances per dtype: a few units of the format's rounding (float32 2^-24, bfloat16 2^-8,
@@ -69,12 +71,20 @@ class SublayerCheck:
     through: nn.Module | None  # a post-norm sublayer's norm: its call site must pass x + branch through
 
 
-def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwargs: dict, start=None) -> tuple[float, torch.Tensor]:
-    """(largest relative error, block output); raises CheckFailed on a structural mismatch."""
-    raw_exits, handles = [], []
+def _value_at(call, outputs: bool, where) -> int | None:
+    pairs = call.outputs if outputs else call.inputs
+    return next((v for w, v in pairs if w == where), None)
+
+
+def check_hooked(block: nn.Module, streams: list[tuple], args: tuple, kwargs: dict, start=None) -> tuple[float, object]:
+    """(largest relative error, block output); raises CheckFailed on a structural mismatch.
+
+    `streams`: (where the stream enters, where it leaves, its SublayerChecks) per stream the block
+    carries; None for the first two: the block's stream input (or `start(block, rec, call)`) and output."""
+    subs = [sc for _, _, st in streams for sc in st]
+    raw_exits, handles = {}, []
     for sc in subs:
-        r = _RawExit(sc.exit_index)
-        raw_exits.append(r)
+        r = raw_exits[id(sc)] = _RawExit(sc.exit_index)
         if sc.exit_module is not None:
             # nn.Module's own method: on a deferred norm (peri's output norm) it sees the call site.
             handles.append(nn.Module.register_forward_hook(block.get_submodule(sc.exit_module), r, prepend=True))
@@ -85,14 +95,8 @@ def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwarg
         for h in handles:
             h.remove()
     call = next(e for e in rec.events if e.kind == "module" and e.module is block)
-    s = stream_input(call) if start is None else start(block, rec, call)
-    out_v = stream_output(call)
-    if s is None or out_v is None:
-        raise CheckFailed("the rewritten block has no stream input or output")
     inside = lambda e: call.index < e.index <= call.end  # noqa: E731
-    feeds_output = {v for _, v in call.outputs}
-    for v in list(feeds_output):
-        feeds_output |= rec.ancestors(v, within=call)
+    feeds_output = _FeedsOutput(rec, call)
     # Every deferred norm's call site passes its input through, whatever placement it serves.
     for m in block.modules():
         if hooks.is_deferred(m):
@@ -100,8 +104,37 @@ def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwarg
                 if inside(c) and c.input_value(("arg", 0)) != next((v for w, v in c.outputs if w == ()), None):
                     raise CheckFailed(f"{rec.paths[id(m)]} still normalises at its call site")
     err = 0.0
+    for enters, leaves, stream_subs in streams:
+        if enters is None:
+            s = stream_input(call) if start is None else start(block, rec, call)
+        else:
+            s = _value_at(call, False, enters)
+        out_v = stream_output(call) if leaves is None else _value_at(call, True, leaves)
+        if s is None or out_v is None:
+            raise CheckFailed("the rewritten block has no stream input or output")
+        err = max(err, _check_stream(rec, call, block, s, out_v, stream_subs, raw_exits, feeds_output, inside))
+    return err, out
+
+
+class _FeedsOutput:
+    """`v in feeds_output`: is the value one the block's outputs are computed from? (Walked when first asked.)"""
+
+    def __init__(self, rec, call):
+        self.rec, self.call, self.values = rec, call, None
+
+    def __contains__(self, v) -> bool:
+        if self.values is None:
+            self.values = {o for _, o in self.call.outputs}
+            for o in list(self.values):
+                self.values |= self.rec.ancestors(o, within=self.call)
+        return v in self.values
+
+
+def _check_stream(rec, call, block, s, out_v, subs, raw_exits, feeds_output, inside) -> float:
+    err = 0.0
     passed_through = -1  # the previous sublayer's norm call site, which returned this stream
-    for i, (sc, raw) in enumerate(zip(subs, raw_exits)):
+    for i, sc in enumerate(subs):
+        raw = raw_exits[id(sc)]
         s = follow_stream_ops(rec, s, call)
         x = rec.values[s].tensor
         if sc.entries:
@@ -124,7 +157,7 @@ def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwarg
             for r in readers:
                 if r.ours or r is add or r.index == passed_through or (r.kind == "module" and r.index <= add.index <= r.end):
                     continue
-                if not any(v in feeds_output for _, v in r.outputs):
+                if not r.leaves and not any(v in feeds_output for _, v in r.outputs):
                     continue  # control flow or logging on the stream: not part of the branch
                 if r.kind == "module" and not any(rec.events[x].kind == "function" and r.index < x <= r.end for x in rec.values[s].readers):
                     continue  # carries the stream along without reading it
@@ -146,7 +179,8 @@ def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwarg
         elif sc.scale is not None or sc.out_norm is not None:
             raise CheckFailed(f"sublayer {i}: a branch scale or output norm without an exit module")
         if sc.through is not None:
-            through = [e for e in rec.module_calls(sc.through) if inside(e) and e.input_value(("arg", 0)) == a]
+            a_norm = follow_layout(rec, a, call)  # the sum as the norm receives it (OPT views it back to 3-D)
+            through = [e for e in rec.module_calls(sc.through) if inside(e) and e.input_value(("arg", 0)) == a_norm]
             if len(through) != 1:
                 raise CheckFailed(f"sublayer {i}: the norm is no longer applied to x + F(x) once (observed {len(through)})")
             passed_through = through[0].index
@@ -154,4 +188,4 @@ def check_hooked(block: nn.Module, subs: list[SublayerCheck], args: tuple, kwarg
     s = follow_stream_ops(rec, s, call)
     if s != out_v:
         err = max(err, relative_error(rec.values[out_v].tensor, rec.values[s].tensor))
-    return err, hooks.stream_of(out)
+    return err

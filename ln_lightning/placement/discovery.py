@@ -12,6 +12,7 @@ replace lives in `families/`, one file per family.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,10 +20,10 @@ import torch
 from torch import nn
 
 from ln_lightning.placement import hooks
-from ln_lightning.placement.analysis import analyse
-from ln_lightning.placement.blocks import Handler, HookedHandler, HookedSublayer, TorchLayerHandler
+from ln_lightning.placement.analysis import analyse, stream_input_at, stream_output_at
+from ln_lightning.placement.blocks import Handler, HookedHandler, HookedSublayer, Stream, TorchLayerHandler, required_as_none
 from ln_lightning.placement import families
-from ln_lightning.placement.norms import norm_types
+from ln_lightning.placement.norms import FINAL_NORM_MARKER, norm_types
 from ln_lightning.placement.plan import EntryPlan, RewritePlan, Unrecognised
 from ln_lightning.placement.recording import Recording, record
 from ln_lightning.placement.registry import registered_sublayers
@@ -51,6 +52,7 @@ class Found:
     stacks: list[Stack] = field(default_factory=list)
     unrecognised: list[SkippedModule] = field(default_factory=list)
     observation: "ModelRun | None" = None
+    notes: list[str] = field(default_factory=list)  # what the report should say about how the model was read
 
     @property
     def handlers(self) -> list[Handler]:
@@ -65,6 +67,7 @@ class Example:
     path: str = ""
     made_up: bool = False
     fallbacks: list = field(default_factory=list)  # made up: other modules to try, in order
+    source: str = "argument"  # "argument" | "example_input_array" | "dummy_inputs" (Hugging Face's) | "made up"
 
     def run(self, model: nn.Module):
         return run_model(model.get_submodule(self.path) if self.path else model, self.value)
@@ -92,6 +95,22 @@ def _contains_norm(m: nn.Module) -> bool:
     return any(isinstance(x, types) for x in m.modules())
 
 
+def norm_holders(root: nn.Module) -> set[int]:
+    """Ids of the modules under `root` (itself included) that hold a norm: one walk, not one per question."""
+    types, out = norm_types(), set()
+
+    def walk(m: nn.Module) -> bool:
+        has = isinstance(m, types)
+        for c in m.children():
+            has = walk(c) or has
+        if has:
+            out.add(id(m))
+        return has
+
+    walk(root)
+    return out
+
+
 def run_model(model: nn.Module, example: Any):
     if isinstance(example, dict):
         return model(**example)
@@ -100,8 +119,10 @@ def run_model(model: nn.Module, example: Any):
     return model(example)
 
 
-def observe_model(model: nn.Module, example: Example) -> ModelRun:
-    """Run the model once on `example` (eval, no grad, our hooks bypassed), recording everything."""
+def observe_model(model: nn.Module, example: Example, holders: set[int] | None = None) -> ModelRun:
+    """Run the model once on `example` (eval, no grad, our hooks bypassed), recording everything; the
+    arguments of each module's first call are kept (of the modules in `holders` only, when given: a
+    block holds a norm)."""
     inputs: dict = {}
     target = model.get_submodule(example.path) if example.path else model
 
@@ -112,7 +133,8 @@ def observe_model(model: nn.Module, example: Example) -> ModelRun:
             memo = {id(v): v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
             inputs[id(mod)] = copy.deepcopy((tuple(args), dict(kwargs)), memo)
 
-    handles = [m.register_forward_pre_hook(capture, with_kwargs=True, prepend=True) for m in target.modules()]
+    handles = [m.register_forward_pre_hook(capture, with_kwargs=True, prepend=True) for m in target.modules()
+               if holders is None or id(m) in holders]
     try:
         with eval_no_grad(model), hooks.bypass(), record(target, example.path) as rec:
             out = run_model(target, example.value)
@@ -128,14 +150,26 @@ class eval_no_grad:
 
     def __enter__(self):
         self.modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
+        # nn.Module.__setattr__ on every module of a deep model is not free: the flag is written directly,
+        # unless a module has its own train() (then eval() runs, which calls it).
+        self.plain = all(type(m).train is nn.Module.train for m, _ in self.modes)
+        if not self.plain:
+            self.model.eval()
+        else:
+            for m, t in self.modes:
+                if t:
+                    m.__dict__["training"] = False
         self.grad = torch.no_grad()
         self.grad.__enter__()
 
     def __exit__(self, *exc):
         self.grad.__exit__(*exc)
         for m, t in self.modes:
-            m.training = t
+            if m.training != t:
+                if self.plain:
+                    m.__dict__["training"] = t
+                else:
+                    m.training = t
 
 
 def synthetic_probe(block: nn.Module, dim: int) -> tuple[tuple, dict]:
@@ -143,18 +177,17 @@ def synthetic_probe(block: nn.Module, dim: int) -> tuple[tuple, dict]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, dim, generator=g, dtype=torch.float64)
     # An offset and a non-unit scale, so a misplaced norm can't go unnoticed.
-    return ((3.0 * x + 0.5).to(device=w.device, dtype=w.dtype),), {}
+    return ((3.0 * x + 0.5).to(device=w.device, dtype=w.dtype),), required_as_none(block)
 
 
 def _stream_dim(block: nn.Module) -> int:
+    from ln_lightning.placement.norms import norm_width
+
     for m in block.modules():
         if isinstance(m, norm_types()):
-            shape = getattr(m, "normalized_shape", None)
-            if shape:
-                return int(shape[-1])
-            w = getattr(m, "weight", None)
-            if w is not None:
-                return int(w.shape[-1])
+            width = norm_width(m)
+            if width is not None:
+                return width
     raise Unrecognised("could not tell the stream's width from the block's norms")
 
 
@@ -166,23 +199,80 @@ def _relative(path: str | None, block_path: str) -> str | None:
     return path[len(block_path) + 1:] if path.startswith(block_path + ".") else path
 
 
+def _argument_name(block: nn.Module, where: tuple | None) -> str:
+    if where is None:
+        return "stream"
+    if where[0] == "kwarg":
+        return str(where[1])
+    try:
+        params = [p for p in inspect.signature(block.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return params[where[1]].name
+    except (TypeError, ValueError, IndexError):
+        return f"argument {where[1]}"
+
+
+def _submodule(block: nn.Module, rel: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(rel) if rel else block
+    except AttributeError:
+        return None
+
+
+def _other_streams(rec: Recording, call, s_in: int | None, s_out: int | None) -> list[tuple]:
+    """(where it enters, where it leaves, sublayers) for each further stream the block carries: an
+    argument that reaches one of its outputs through residual sublayers (LiLT's layout stream)."""
+    ins = [(w, v) for w, v in call.inputs if len(w) == 2 and v != s_in]
+    outs = [(w, v) for w, v in call.outputs if len(w) <= 1 and v != s_out and v is not None]
+    found, used = [], set()
+    for wo, vo in outs:
+        for wi, vi in ins:
+            if vi in used or rec.values[vi].tensor.shape != rec.values[vo].tensor.shape:
+                continue
+            try:
+                subs = analyse(rec, call, norm_types(), start=vi, end=vo)
+            except Unrecognised:
+                continue
+            found.append((wi, wo, subs))
+            used.add(vi)
+            break
+    return found
+
+
 def _observed_handler(block: nn.Module, path: str, rec: Recording, call) -> HookedHandler:
-    subs = []
     start_fn = families.stream_start_fn(block)
-    for o in analyse(rec, call, norm_types(), start=start_fn(block, rec, call) if start_fn else None):
+    source = families.stream_source(block)
+    start = start_fn(block, rec, call) if start_fn else None
+    enters, s_in = (("module", source), start) if source else stream_input_at(call)
+    leaves, s_out = stream_output_at(call)
+    streams = [Stream(source + " output" if source else _argument_name(block, enters), enters, leaves)]
+    found = [(0, o) for o in analyse(rec, call, norm_types(), start=start)]
+    for wi, wo, more in _other_streams(rec, call, s_in, s_out):
+        streams.append(Stream(_argument_name(block, wi), wi, wo))
+        found += [(len(streams) - 1, o) for o in more]
+    subs = []
+    for j, o in found:
         rel = lambda p: _relative(p, path)  # noqa: E731
         plan = None
         if o.plan is not None:
             plan = RewritePlan(rel(o.plan.norm), [EntryPlan(rel(e.module), e.arg_positions, e.kwarg_names) for e in o.plan.entries],
                                rel(o.plan.exit_module), o.plan.exit_index, o.plan.exit_reason)
-        branch = " > ".join(_relative(b, path) for b in o.branch.split(" > ")) if o.branch != "(functions)" else o.branch
-        name = plan.entries[0].module if plan is not None and plan.entries else (branch.split(" > ")[0] if o.branch != "(functions)" else f"sublayer{o.index}")
-        subs.append(HookedSublayer(name, o.placement, rel(o.norm), branch, plan, o.reason, rel(o.out_norm)))
+        sep = " + " if o.parallel else " > "
+        branch = sep.join(_relative(b, path) for b in o.branch.split(sep)) if o.branch != "(functions)" else o.branch
+        name = plan.entries[0].module if plan is not None and plan.entries else (branch.split(sep)[0] if o.branch != "(functions)" else f"sublayer{o.index}")
+        if o.parallel and o.branch != "(functions)":  # named after its branches: "attn+mlp"
+            parts = [b for b in branch.split(sep) if not isinstance(_submodule(block, b), norm_types())]
+            name = "+".join(parts) or name
+        if j:
+            name = f"{streams[j].label}.{name}"  # one namespace for the added modules of every stream
+        subs.append(HookedSublayer(name, o.placement, rel(o.norm), branch, plan, o.reason, rel(o.out_norm), j, o.parallel))
     names = [s.name for s in subs]
     for i, s in enumerate(subs):
         if names.count(s.name) > 1:
             s.name = f"{s.name}{i}"
-    return HookedHandler(block, path, subs, "observed forward")
+    if len(streams) == 1 and streams[0].enters in (None, ("arg", 0)) and streams[0].leaves in (None, (), (0,)):
+        streams = None  # the usual one: its first argument, its first output
+    return HookedHandler(block, path, subs, "observed forward", streams)
 
 
 def _refuse_second_stream(rec: Recording, call) -> None:
@@ -249,6 +339,15 @@ def _handler(block: nn.Module, path: str, run: ModelRun | None) -> Handler:
             f"running it on a probe tensor of shape {tuple(args[0].shape)} failed ({type(e).__name__}: {str(e)[:160]}); "
             "pass example_input= so it runs with its real inputs"
         ) from None
+    # Alone on one tensor, a block may skip a sublayer that needs another argument (a decoder's
+    # cross-attention without encoder states): a norm that did not run means the probe saw part of it.
+    ours = {id(x) for m in block.modules() if hasattr(m, FINAL_NORM_MARKER) for x in m.modules()}  # an added final norm: off in a probe
+    idle = [p for p, m in block.named_modules() if isinstance(m, norm_types()) and not rec.module_calls(m) and id(m) not in ours]
+    if idle:
+        raise Unrecognised(
+            f"its norm {join(path, idle[0])} did not run when the block ran alone on a probe tensor (a sublayer that needs "
+            "another argument, like a decoder's encoder states?); pass example_input= so it runs with its real inputs"
+        )
     return _observed_handler(block, path, rec, rec.events[0])
 
 
@@ -258,11 +357,13 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
     its children are searched, and the reason is reported when nothing inside is a block either."""
     found = Found()
     run = None
+    holders = norm_holders(model)
+    contains = lambda m: id(m) in holders  # noqa: E731
     if example is not None and example.made_up:
         for path in [example.path, *example.fallbacks]:  # the outermost module that runs on the made-up ids
             try:
                 example.path = path
-                run = observe_model(model, example)
+                run = observe_model(model, example, holders)
                 break
             except Exception:  # noqa: BLE001 - that one does not take token ids alone
                 continue
@@ -270,7 +371,7 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
         if run is None:
             example.value = None
     elif example is not None:
-        run = observe_model(model, example)
+        run = observe_model(model, example, holders)
     found.observation = run
     types = norm_types()
     stacks: dict[str, Stack] = {}
@@ -279,15 +380,23 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
         return len(found.unrecognised) + sum(len(s.handlers) for s in stacks.values())
 
     def attempt(child: nn.Module, cpath: str, container_path: str, report: bool) -> None:
-        if not _always_a_candidate(child) and _holds_a_stack(child):
-            # A wrapper around a container of blocks (a `Stack` holding `blocks`, ALBERT's layer group,
-            # T5's block of sublayer modules): the blocks are the ones inside.
-            before = count()
-            visit(child, cpath)
-            if count() > before:
-                return
+        h = None
+        if not _always_a_candidate(child) and _holds_a_stack(child, contains):
+            # A wrapper around a container of blocks (a `Stack` holding `blocks`, ALBERT's layer group):
+            # the blocks are the ones inside, unless the wrapper has residual sublayers of its own
+            # around them (MobileBERT's layer: its bottleneck residual holds a stack of FFN blocks).
+            try:
+                h = _handler(child, cpath, run)
+            except Unrecognised:
+                h = None
+            if h is None or not _owns_a_sublayer(h, child, contains):
+                h = None
+                before = count()
+                visit(child, cpath)
+                if count() > before:
+                    return
         try:
-            h = _handler(child, cpath, run)
+            h = h or _handler(child, cpath, run)
         except Unrecognised as e:
             before = count()
             visit(child, cpath)
@@ -303,7 +412,7 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
         in_container = isinstance(m, CONTAINERS)
         for name, child in m.named_children():
             cpath = join(path, name)
-            if isinstance(child, types) or not _contains_norm(child):
+            if isinstance(child, types) or not contains(child):
                 continue
             if isinstance(child, CONTAINERS):
                 visit(child, cpath)
@@ -320,13 +429,22 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
     return found
 
 
-def _holds_a_stack(m: nn.Module) -> bool:
+def _owns_a_sublayer(h: Handler, m: nn.Module, contains=_contains_norm) -> bool:
+    """Is one of the handler's sublayer norms outside the blocks of the stacks `m` holds?"""
+    if not isinstance(h, HookedHandler):
+        return True
+    inner = {id(x) for sub in m.modules() if sub is not m and isinstance(sub, CONTAINERS)
+             for c in sub.children() if contains(c) for x in c.modules()}
+    return any(s.norm is not None and id(h._get(s.norm)) not in inner for s in h.subs)
+
+
+def _holds_a_stack(m: nn.Module, contains=_contains_norm) -> bool:
     """Does `m` hold a container of blocks: children that hold norms, all of one class? (T5's block
     holds a container of *different* sublayer modules: it is one block itself.)"""
     types = norm_types()
     for sub in m.modules():
         if sub is not m and isinstance(sub, CONTAINERS):
-            inner = [c for c in sub.children() if not isinstance(c, types) and _contains_norm(c)]
+            inner = [c for c in sub.children() if not isinstance(c, types) and contains(c)]
             if inner and len({type(c) for c in inner}) == 1:
                 return True
     return False

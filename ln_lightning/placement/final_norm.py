@@ -1,10 +1,16 @@
 """A stack's final norm: is there one, and where does an added one go so it runs once per forward.
 
 Detection follows the stack's output as the model really uses it (one recorded forward on the
-example input): from the stream the last block returns on its last call, through functions
-(dropout, a clamp, a cast, pooling) and pass-through modules, to the first module that reads it.
-A norm there is the final norm; anything else (a head, the model's output) means there is none.
-Without an example input the owner's forward is traced with torch.fx instead, where it can be.
+example input): from the stream the last block returns on its last call, through what keeps it
+the stream's features (dropout, a clamp, a cast, slicing, a mean over tokens, patch merging's
+concatenation, a mask), into the modules that do only that (a pooler, a decoder, PatchMerging),
+to a norm that reads it: that is the final norm (BEiT's pooled `fc_norm`, Swin's merging norm,
+Perceiver's decoder normalising the latents it cross-attends to). A bias-free linear map on the
+way is allowed (Swin v2 merges, then reduces, then normalises: the norm of `W x` is blind to the
+stream's scale as a final norm is). The path stops at anything with parameters of its own (a
+head's dense layer) and at an add of something else (a residual: the next stack's). No norm on
+any path (a head, the model's output) means there is none. Without an example input the owner's
+forward is traced with torch.fx instead, where it can be.
 
 An added final norm is applied where the stack's output leaves it:
 
@@ -14,8 +20,9 @@ An added final norm is applied where the stack's output leaves it:
   call holds all those runs and returns the stream: the norm then runs once, after the last use.
 
 It is stored on the nearest module above the stack that is not a container (a Sequential or
-ModuleList would run or iterate it as a layer). Where none of this applies, no norm is added
-and the report says why.
+ModuleList would run or iterate it as a layer), or, where every module above is one (a bare
+`nn.Sequential` of blocks), on the last block itself as its `final_norm`. Where none of this
+applies, no norm is added and the report says why.
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ from ln_lightning.placement import families, hooks
 from ln_lightning.placement.analysis import stream_output
 from ln_lightning.placement.blocks import HookedHandler
 from ln_lightning.placement.discovery import CONTAINERS, Found, Stack, join
-from ln_lightning.placement.norms import norm_types
+from ln_lightning.placement.norms import FINAL_NORM_MARKER, norm_types
 
 _TRANSPARENT = (nn.Dropout, nn.Identity)
-MARKER = "ln_lightning_final_norm_of"  # attribute on a norm convert added: the stack's path
+MARKER = FINAL_NORM_MARKER  # attribute on a norm convert added: the stack's path
 
 
 class NotAdded(Exception):
@@ -116,7 +123,8 @@ def _detect_observed(model: nn.Module, stack: Stack, found: Found) -> None:
         for c in rec.module_calls(b):
             if c.index > last.end:
                 stream_inputs.setdefault(stream_input(c), rec.paths[id(b)])
-    todo, seen = [v], {v}
+    types = norm_types()
+    todo, seen, stopped = [v], {v}, set()  # stopped: module calls the path does not enter
     while todo:
         x = todo.pop(0)
         if x in stream_inputs:
@@ -124,21 +132,41 @@ def _detect_observed(model: nn.Module, stack: Stack, found: Found) -> None:
             return
         for r in rec.values[x].readers:
             e = rec.events[r]
-            if e.index <= last.end:
-                continue  # inside the last block's own call
-            # Inside a module that started after the stack: its input was already taken below.
-            if any(f > last.end and not isinstance(rec.events[f].module, _TRANSPARENT) for f in e.frames):
-                continue
+            if e.index <= last.end or any(f in stopped for f in e.frames):
+                continue  # inside the last block's own call, or inside a module the path stopped at
             if e.kind == "module":
-                if isinstance(e.module, norm_types()):
+                if isinstance(e.module, types):
                     stack.final_norm = rec.paths[id(e.module)]
                     return
-                if not isinstance(e.module, _TRANSPARENT):
-                    continue  # a head, a pooler: not a norm
+                if _own_tensors(e.module) and not _bias_free_linear(e.module):
+                    stopped.add(e.index)  # a head's dense layer, an embedding: the stream's features end here
+                continue  # the path goes on inside it, through the functions that read the value
+            if not _keeps_features(rec, e, seen):
+                continue
             for _, o in e.outputs:
                 if o not in seen:
                     seen.add(o)
                     todo.append(o)
+
+
+def _own_tensors(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+
+
+def _bias_free_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) and m.bias is None
+
+
+def _keeps_features(rec, e, seen: set) -> bool:
+    """Does the function call `e` pass the stream's features on (a slice, a mean, a concatenation, a
+    mask), rather than mix them with learnt weights or add something else to them?"""
+    for _, i in e.inputs:
+        t = rec.values[i].tensor
+        if isinstance(t, nn.Parameter):
+            return e.name in ("linear",) and len([1 for _, j in e.inputs if isinstance(rec.values[j].tensor, nn.Parameter)]) == 1
+    if e.is_add:
+        return all(i in seen for _, i in e.inputs)  # an add of another value: a residual, a position embedding
+    return True
 
 
 def traced_owner(model: nn.Module, stack: Stack):
@@ -201,17 +229,22 @@ def _detect_traced(model: nn.Module, stack: Stack, found: Found) -> None:
     )
 
 
-def _holder(model: nn.Module, stack: Stack) -> tuple[nn.Module, str]:
+HELD_BY_BLOCK = "final_norm"  # the name of a final norm its stack's last block holds
+
+
+def _holder(model: nn.Module, stack: Stack) -> tuple[nn.Module, str, str]:
+    """(module, its path, the child name) that holds the stack's added final norm."""
     parts = stack.path.split(".") if stack.path else []
     for k in range(len(parts) - 1, -1, -1):
         path = ".".join(parts[:k])
         m = model.get_submodule(path) if path else model
         if not isinstance(m, CONTAINERS):
-            return m, path
-    raise NotAdded(
-        f"every module above stack {stack.path or '<root>'} is a container (Sequential / ModuleList), which would run or "
-        "iterate an added norm as a layer; wrap the model in a module (class Wrapper(nn.Module)) and convert that"
-    )
+            rel = stack.path[len(path) + 1:] if path else stack.path
+            return m, path, f"{rel.replace('.', '_')}_final_norm"
+    # Every module above is a container, which would run or iterate an added norm as a layer: the
+    # last block (never a container) holds it, and its forward hook applies it.
+    last = stack.handlers[-1]
+    return last.block, last.path, HELD_BY_BLOCK
 
 
 def template_norm(stack: Stack) -> nn.Module:
@@ -250,14 +283,7 @@ def add(model: nn.Module, stack: Stack, found: Found) -> str:
         last.block.add_module(child, norm)
         last.block.register_forward_hook(hooks.ApplyFinalNorm(norm))
         return join(last.path, child)
-    if stack.path == "":
-        raise NotAdded(
-            f"the model itself is the stack ({type(stack.container).__name__}); there is no module to hold a final norm "
-            "without renumbering its layers: wrap it in a module and convert that"
-        )
-    holder, holder_path = _holder(model, stack)
-    rel = stack.path[len(holder_path) + 1:] if holder_path else stack.path
-    name = f"{rel.replace('.', '_')}_final_norm"
+    holder, holder_path, name = _holder(model, stack)
     if hasattr(holder, name):
         raise NotAdded(f"{join(holder_path, name)} already exists")
     last = stack.handlers[-1].block
@@ -288,6 +314,8 @@ def add(model: nn.Module, stack: Stack, found: Found) -> str:
 
 def _traced_runs(model: nn.Module, stack: Stack) -> int | None:
     owner, owner_path = _owner(model, stack)
+    if owner is None:  # the model is the stack
+        return 1 if isinstance(stack.container, nn.Sequential) else None
     if isinstance(owner, CONTAINERS):
         return 1 if isinstance(owner, nn.Sequential) else None  # a Sequential runs each child once
     graph = traced_owner(model, stack)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -270,13 +271,18 @@ class NormalizeBranchInput:
     def __call__(self, module, args, kwargs):
         if bypassed():
             return None
-        # One normalisation per call even when the stream is passed several times (q, k, v).
+        # One normalisation per call even when the stream is passed several times (q, k, v); none for
+        # a tensor that already is this norm's output (an earlier entry returned its normalised input
+        # and the forward passes it on: MobileBERT's bottleneck hands the stream to its attention).
         cache: dict[int, torch.Tensor] = {}
 
         def norm_of(t):
             key = id(t)
             if key not in cache:
-                cache[key] = self.normalized(t)
+                done = _normalized_by.get(id(self.norm))
+                cache[key] = t if done is not None and done() is t else self.normalized(t)
+                if isinstance(cache[key], torch.Tensor):
+                    _normalized_by[id(self.norm)] = weakref.ref(cache[key])
             return cache[key]
 
         capture = getattr(_state, "capture", None)
@@ -296,6 +302,10 @@ class NormalizeBranchInput:
     def normalized(self, t: torch.Tensor) -> torch.Tensor:
         # Overridden by transition.BlendNormalizeBranchInput: (1-a)*t + a*normalize(t).
         return self.norm.normalize(t)
+
+
+# id(norm) -> the tensor its latest branch-entry normalisation returned (weakly: no tensor is kept alive).
+_normalized_by: dict[int, "weakref.ref[torch.Tensor]"] = {}
 
 
 def _with_branch_value(output, index: int | None, value):

@@ -9,10 +9,19 @@ each one gets a `Value` node, so the recording is a data-flow graph:
 
     value --read by--> event --produces--> value
 
-An in-place method (`add_`, `__iadd__`, ...) makes a new version of its tensor; a method that
-returns its own input (`contiguous()` of a contiguous tensor, dropout in eval) produces no new value.
-Functions whose result depends only on a tensor's shape (`zeros_like`, `new_ones`, ...) are not
-reads of its values.
+Which tensors a call writes is read from the write annotations of the aten operators it runs, not
+from its name: each argument an operator's schema marks `Tensor(a!)` has its version counter bumped
+(autograd's ADInplaceOrView kernels do it, under no_grad too), so an argument whose `_version`
+changed across the call was written (an operator called directly, `torch.ops...`, is also read
+from its `_schema`): `buf[...] = x`, `torch.add(x, y, out=buf)`, `relu(x,
+inplace=True)` and a `torch.library` op with `mutates_args` all are. A write makes a new version of
+every recorded tensor on the written storage (a view's base, `x` under `x.data`), produced by the
+call that wrote it. A call
+that returns its own input unwritten (`contiguous()` of a contiguous tensor, dropout in eval)
+produces no new value. Functions whose result depends only on a tensor's shape (`zeros_like`,
+`new_ones`, ...) are not reads of its values, unless their result shares its storage (`x.data`).
+A call that turns a tensor's values into something that is not a tensor (`numpy()`, `tolist()`,
+`item()`, `data_ptr()`) is marked `leaves`: what is computed from it can't be followed.
 """
 
 from __future__ import annotations
@@ -34,9 +43,44 @@ _SHAPE_ONLY = {
     "new_zeros", "new_ones", "new_empty", "new_full", "size", "dim", "numel", "__get__", "__len__", "stride",
     "is_floating_point", "is_complex", "element_size", "get_device", "is_contiguous",
 }
+# Results that are metadata or control flow, not the tensor's values carried out of torch.
+_IDENTITY_ONLY = {"__hash__"}
+_NOT_DATA = (bool, str, torch.Size, torch.dtype, torch.device, type(None))
 
 
-@dataclass
+def storage_key(t: torch.Tensor) -> int | None:
+    """Identifies the storage `t` views (the same for a view, its base and `t.data`)."""
+    try:
+        with torch._C.DisableTorchFunction():  # not a call of the model's: keep it out of the recording
+            return t.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - sparse, nested or subclass tensors: no alias tracking
+        return None
+
+
+def _data(obj: Any) -> bool:
+    """Values from out of torch, as a tensor factory is given them: an array, bytes, a list of floats."""
+    if isinstance(obj, (tuple, list)) and not isinstance(obj, torch.Size):
+        return any(_data(o) for o in obj)
+    return isinstance(obj, float) or (_leaves_torch(obj) and not isinstance(obj, (int, slice, type(Ellipsis))))
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+def _leaves_torch(out: Any) -> bool:
+    """Is `out` a tensor's values in a form the recording can't follow (an array, a list, a number, a pointer)?"""
+    if isinstance(out, torch.Tensor) or isinstance(out, _NOT_DATA):
+        return False
+    if isinstance(out, (tuple, list)):
+        return any(_leaves_torch(o) for o in out)
+    return True
+
+
+@dataclass(slots=True)
 class Value:
     index: int
     tensor: torch.Tensor
@@ -44,7 +88,7 @@ class Value:
     readers: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     index: int
     kind: str  # "function" | "module"
@@ -55,10 +99,13 @@ class Event:
     outputs: list[tuple[Any, int]] = field(default_factory=list)
     end: int = -1  # module events: index of the last event inside the call
     ours: bool = False  # ln_lightning's own normalisation (inside a branch-entry hook)
+    leaves: bool = False  # function events: its result carries the values out of torch (numpy, a list, a pointer)
+    data_args: bool = False  # function events without tensor inputs: given values from out of torch (an array, a list of floats)
 
     @property
     def is_add(self) -> bool:
-        return self.kind == "function" and self.name in _ADD_NAMES and len({v for _, v in self.inputs}) == 2
+        """A sum of two values (`out=` is where it is written, not a term)."""
+        return self.kind == "function" and self.name in _ADD_NAMES and len({v for w, v in self.inputs if w != ("kwarg", "out")}) == 2
 
     def input_value(self, where) -> int | None:
         return next((v for w, v in self.inputs if w == where), None)
@@ -66,6 +113,10 @@ class Event:
 
 def flatten(obj: Any, where: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
     """(location, tensor) for every tensor in nested tuples / lists / dicts (ModelOutputs included)."""
+    if isinstance(obj, torch.Tensor):  # the common cases, without the recursion
+        return [(where, obj)]
+    if obj is None:
+        return []
     out: list = []
     _flatten(obj, where, out)
     return out
@@ -98,60 +149,107 @@ class Recording:
         self.values: list[Value] = []
         self._by_id: dict[int, int] = {}
         self._stack: list[int] = []
+        self._frames: tuple[int, ...] = ()  # tuple(self._stack), shared by the events made inside the same call
         self._calls: dict[int, list[Event]] = {}  # id(module) -> its calls, in order
+        self._by_storage: dict[int, set[int]] = {}  # storage key -> ids of the recorded tensors on it
+        self._unindexed: list[torch.Tensor] = []  # recorded since the last write (indexed when one comes)
 
     # -- building ---------------------------------------------------------------------------------
     def value_of(self, t: torch.Tensor, producer: int | None = None) -> int:
         v = self._by_id.get(id(t))
         if v is None or self.values[v].tensor is not t:
-            v = len(self.values)
-            self.values.append(Value(v, t, producer))  # keeps t alive, so its id is not reused
-            self._by_id[id(t)] = v
+            v = self._new_version(t, producer)  # keeps t alive, so its id is not reused
         return v
 
-    def _new_version(self, t: torch.Tensor, producer: int) -> int:
+    def _new_version(self, t: torch.Tensor, producer: int | None) -> int:
         v = len(self.values)
         self.values.append(Value(v, t, producer))
+        if id(t) not in self._by_id:
+            self._unindexed.append(t)
         self._by_id[id(t)] = v
         return v
 
-    def _event(self, kind, name, module, inputs) -> Event:
-        e = Event(len(self.events), kind, name, module, tuple(self._stack), ours=hooks.normalizing())
+    def _index_storages(self) -> None:
+        """Storage key -> tensors, brought up to date (only once a write needs it: most forwards write nothing)."""
+        for t in self._unindexed:
+            key = storage_key(t)
+            if key is not None:
+                self._by_storage.setdefault(key, set()).add(id(t))
+        self._unindexed.clear()
+
+    def _event(self, kind, name, module, inputs, reads: bool = True) -> Event:
+        e = Event(len(self.events), kind, name, module, self._frames, ours=hooks.normalizing())
         self.events.append(e)
+        values, e_inputs = self.values, e.inputs
         for where, t in inputs:
             v = self.value_of(t)
-            e.inputs.append((where, v))
-            if not (kind == "function" and name in _SHAPE_ONLY):
-                self.values[v].readers.append(e.index)
+            e_inputs.append((where, v))
+            if reads:
+                values[v].readers.append(e.index)
         return e
 
-    def on_function(self, func, args, kwargs, out) -> None:
-        ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",)) if kwargs else flatten(args, ("arg",))
+    @staticmethod
+    def written(ins: list, before: list, func) -> set[int]:
+        """Storage keys of the arguments the call `func` wrote: those whose version counter moved, and for
+        an operator called directly (`torch.ops...`, a `torch.library` op) those its schema marks written."""
+        out = {storage_key(t) for (_, t), v in zip(ins, before) if v is not None and _version(t) != v}
+        schema = getattr(func, "_schema", None)
+        if schema is not None:
+            marked = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+            names = {schema.arguments[i].name for i in marked}
+            out |= {storage_key(t) for where, t in ins
+                    if (where[0] == "arg" and where[1] in marked) or (where[0] == "kwarg" and where[1] in names)}
+        return out - {None}
+
+    def on_function(self, func, ins, args, kwargs, out, written: set[int]) -> None:
         outs = flatten(out)
         if not ins and not outs:
             return
         name = _func_name(func)
-        e = self._event("function", name, None, ins)
         in_ids = {id(t) for _, t in ins}
-        inplace = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+        reads = True
+        if name in _SHAPE_ONLY:
+            # Metadata only, unless the result is the input's storage under another name (`x.data`, `x.T`).
+            fresh = [t for _, t in outs if id(t) not in in_ids]
+            in_keys = {storage_key(t) for _, t in ins} - {None} if fresh else set()
+            reads = any(storage_key(t) in in_keys for t in fresh)
+        e = self._event("function", name, None, ins, reads)
+        if not outs:
+            e.leaves = reads and name not in _IDENTITY_ONLY and _leaves_torch(out)
+        if not ins:
+            e.data_args = any(_data(a) for a in (*args, *kwargs.values()))
+        versioned = set()
         for where, t in outs:
-            if id(t) in in_ids and inplace:
-                e.outputs.append((where, self._new_version(t, e.index)))  # in-place: a new version
+            if written and id(t) in in_ids and storage_key(t) in written:
+                e.outputs.append((where, self._new_version(t, e.index)))  # written in place: a new version
+                versioned.add(id(t))
             elif id(t) in in_ids:
                 e.outputs.append((where, self.value_of(t)))  # returned its input unchanged
             else:
                 e.outputs.append((where, self._new_version(t, e.index)))
+                versioned.add(id(t))
+        if not written:
+            return
+        # Every other recorded tensor on a written storage (the buffer of `buf[...] = x`, a view's base).
+        self._index_storages()
+        for key in written:
+            for tid in sorted(self._by_storage.get(key, ())):
+                if tid not in versioned:
+                    t = self.values[self._by_id[tid]].tensor
+                    e.outputs.append((("written",), self._new_version(t, e.index)))
 
     def enter_module(self, module, args, kwargs) -> None:
         ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",))
         e = self._event("module", self.paths[id(module)], module, ins)
         self._calls.setdefault(id(module), []).append(e)
         self._stack.append(e.index)
+        self._frames = tuple(self._stack)
 
     def exit_module(self, module, out) -> None:
         if not self._stack:
             return
         e = self.events[self._stack.pop()]
+        self._frames = tuple(self._stack)
         e.end = len(self.events) - 1
         for where, t in flatten(out):
             v = self._by_id.get(id(t))
@@ -208,8 +306,10 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",)) if kwargs else flatten(args, ("arg",))
+        before = [_version(t) for _, t in ins]
         out = func(*args, **kwargs)
-        self.rec.on_function(func, args, kwargs, out)
+        self.rec.on_function(func, ins, args, kwargs, out, self.rec.written(ins, before, func))
         return out
 
 
@@ -217,15 +317,13 @@ class _Mode(TorchFunctionMode):
 def record(root: nn.Module, prefix: str = "") -> Iterator[Recording]:
     """Record every call of `root` and its submodules, and every torch function, inside the block."""
     paths: dict[int, str] = {}
+    modules = []
     for name, m in root.named_modules(remove_duplicate=True):
-        paths.setdefault(id(m), f"{prefix}.{name}" if prefix and name else (name or prefix))
+        paths[id(m)] = f"{prefix}.{name}" if prefix and name else (name or prefix)
+        modules.append(m)
     rec = Recording(paths)
     handles = []
-    seen: set[int] = set()
-    for m in root.modules():
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
+    for m in modules:
         # Appended (not prepended): the call is recorded with the arguments the module really gets,
         # after any hook (ours included) has rewritten them. nn.Module's own methods, so a deferred
         # norm's call site is recorded (its override hands hooks to the normalisation instead).

@@ -19,6 +19,8 @@ class SublayerInfo:
     placement: str  # "post" | "pre" | "sandwich" | "none"
     norm: str | None  # module path of the LayerNorm that decides the placement (None for "none")
     branch: str  # what F is: the module paths it calls, for the reader
+    parallel: bool = False  # several branches summed into the stream at once (x + A(N1 x) + M(N2 x))
+    stream: str | None = None  # in a block carrying several streams (LiLT's text and layout): which
 
 
 @dataclass
@@ -98,6 +100,7 @@ class PlacementReport:
     layernorms: list[NormInfo] = field(default_factory=list)
     # Modules that look like residual blocks (they hold a LayerNorm) but could not be read, with why.
     unrecognised: list[SkippedModule] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how the model was read (a fallback taken, ...)
 
     @property
     def blocks(self) -> list[BlockInfo]:
@@ -125,13 +128,16 @@ class PlacementReport:
             fn = s.final_norm if s.final_norm else ("none" if s.final_norm_known else "unknown (model code not readable)")
             out.append(f"\nstack {s.path or '<root>'}: {s.depth} blocks, final norm: {fn}")
             rows = [
-                [b.path, b.kind, b.placement, ", ".join(f"{x.name}:{x.placement}" + (f"({x.norm})" if x.norm else "") for x in b.sublayers)]
+                [b.path, b.kind, b.placement, ", ".join(
+                    f"{x.name}:{x.placement}" + (" parallel" if x.parallel else "")
+                    + (f"({x.norm})" if x.norm else "") for x in b.sublayers)]
                 for b in s.blocks
             ]
             out.append(_table(["block", "class", "placement", "sublayers (norm)"], rows))
         if self.unrecognised:
             out.append("\nnot recognised:")
             out.append(_table(["module", "class", "reason"], [[u.path, u.kind, u.reason] for u in self.unrecognised]))
+        out.extend(f"note: {n}" for n in self.notes)
         out.append(f"\nLayerNorms ({len(self.layernorms)}):")
         if self.layernorms:
             out.append(
@@ -154,6 +160,9 @@ class BlockChange:
     check_error: float | None = None  # max relative error of the probe check against the target formula
     output_change: float | None = None  # relative L2 change of the block's output on the probe input
     from_written: bool = True  # converted from the placement its forward is written in (not from a rewrite of ours)
+    # Relative error against the block's original modules run as black boxes (placement/black_box.py);
+    # None where the check above is already independent of the recording (torch's layers).
+    reference_error: float | None = None
 
 
 @dataclass

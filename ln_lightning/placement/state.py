@@ -30,6 +30,9 @@ with the model; ``ddp_spawn`` workers get it). It holds everything the rewrite i
   that blend; one saved from the rewritten model without a transition ends the model's transition. A
   transition ends in one place, :meth:`RewriteState.end_transition`.
 
+:func:`attach` also gives every Hugging Face model holding part of the rewrite an instance ``save_pretrained`` that
+writes a directory nothing loads as the old function (``ln_lightning.export.save_guard``); :func:`detach` removes it.
+
 Everything else about a rewrite is derived from this object, and written only here: the marker bytes, the
 checkpoint entry (:meth:`RewriteState.checkpoint_entry`) and the JSON record that export writes and reads back
 (:meth:`RewriteState.to_record`, :func:`from_record`, :meth:`RewriteState.relative_to`). The plugin, the
@@ -124,15 +127,16 @@ class RewriteState:
         """Put the marker on each owner of a rewritten stack (or on the root when the rewrite only added modules)
         and the load guard on those and every module above them up to the root. Idempotent."""
         if owners is None:
-            owners = {owner_path(p) for p, _ in self.converted} or ({""} if self.added else set())
+            owners = self.owner_paths()
         value = encode_config(self.config)
         for path in sorted(set(owners)):
             owner = root.get_submodule(path)
             device = _device_of(owner)
+            # One tensor per owner: shared storage would make safetensors (Hugging Face's save_pretrained) refuse them.
             if MARKER in owner._buffers:
-                owner._buffers[MARKER] = value.to(device)
+                owner._buffers[MARKER] = value.to(device, copy=True)
             else:
-                owner.register_buffer(MARKER, value.to(device), persistent=True)
+                owner.register_buffer(MARKER, value.to(device, copy=True), persistent=True)
             owner.__dict__[_OWNER_ATTR] = (self, path)
             # The guard sits on the owner and on every module above it: a load into any of them checks the
             # marker before torch copies a single weight (a load refused half-way would still change the model).
@@ -142,6 +146,17 @@ class RewriteState:
             if path not in self.owners:
                 self.owners.append(path)
         self.owners.sort()
+
+    def owner_paths(self) -> list[str]:
+        """The modules :meth:`mark` puts the marker on: each owner of a rewritten stack, else the root."""
+        return sorted({owner_path(p) for p, _ in self.converted} or ({""} if self.added else set()))
+
+    def marker_entries(self, base: str = "") -> dict[str, torch.Tensor]:
+        """The marker entries (key relative to the submodule at `base` -> value) of the model marked with this
+        rewrite: what a model rebuilt from :meth:`relative_to`'s record holds, whether this one is marked or not."""
+        value = encode_config(self.config)
+        rels = (_rel(p, base) for p in (self.owners or self.owner_paths()))
+        return {(f"{r}.{MARKER}" if r else MARKER): value.clone() for r in rels if r is not None}
 
     # ------------------------------------------------------------------ the transition
     def start_transition(self, root: nn.Module, steps: int | None, kind: str = "linear") -> blend.Transition:
@@ -193,14 +208,18 @@ class RewriteState:
             "transition_ended": self.transition_ended,
         }
 
-    def relative_to(self, base: str) -> dict:
+    def relative_to(self, base: str, *, with_transition: bool = False) -> dict:
         """The record with every path relative to the submodule at `base` (its path from the root); raises
-        PlacementError when part of the rewrite lies outside it (that submodule alone does not carry it)."""
+        PlacementError when part of the rewrite lies outside it (that submodule alone does not carry it).
+
+        A transition's blend is held by the root, so a submodule's state_dict lacks it: refused, unless the caller
+        carries the blend along itself (`with_transition`: export writes the root's transition buffers with the
+        submodule's weights)."""
         record = self.to_record()
         if not base:
             return record
         outside = [p for p, _ in self.converted if _rel(p, base) is None] + [a for a in self.added if _rel(a, base) is None]
-        if outside or (self.transition is not None):
+        if outside or (self.transition is not None and not with_transition):
             what = (f"{', '.join(outside[:3])} lie outside {base}" if outside else
                     "the transition's blend is held by the root, outside it")
             raise PlacementError(
@@ -281,13 +300,21 @@ def attach(root: nn.Module, state: RewriteState) -> RewriteState:
         if state.owners:
             state.mark(root, state.owners)  # the markers say the new configuration
     root.__dict__[_STATE_ATTR] = state
+    # A converted Hugging Face model's own save_pretrained would write a directory that loads as the old function:
+    # it gets one that writes the safe form (ln_lightning.export.save_guard).
+    from ln_lightning.export import save_guard
+
+    save_guard.install(root, state)
     return state
 
 
 def detach(root: nn.Module) -> None:
     """Forget the rewrite of `root` (it computes its forward as written again): the state, markers and guards."""
+    from ln_lightning.export import save_guard
+
     state = of(root)
     root.__dict__.pop(_STATE_ATTR, None)
+    save_guard.uninstall(root)
     if state is None:
         return
     for path in state.owners:

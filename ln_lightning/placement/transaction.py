@@ -16,13 +16,10 @@ from torch import nn
 class Snapshot:
     def __init__(self, root: nn.Module):
         self._saved = []
-        seen: set[int] = set()
-        for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            attrs = dict(m.__dict__)
-            dicts = {k: (v, list(v.items())) for k, v in attrs.items() if isinstance(v, dict)}
+        for m in root.modules():  # each module once
+            attrs = m.__dict__.copy()
+            # The dicts among them (hooks, children, parameters, buffers), each copied as it is now.
+            dicts = [(v, v.copy()) for v in attrs.values() if isinstance(v, dict)]
             self._saved.append((m, m.__class__, attrs, dicts))
 
     def restore(self) -> None:
@@ -30,6 +27,6 @@ class Snapshot:
             m.__class__ = cls
             m.__dict__.clear()
             m.__dict__.update(attrs)
-            for k, (d, items) in dicts.items():
+            for d, items in dicts:
                 d.clear()
                 d.update(items)

@@ -33,6 +33,15 @@ def stream_start_fn(block: nn.Module):
     return None
 
 
+def stream_source(block: nn.Module) -> str | None:
+    """For such a block: the submodule whose output is the stream's start (relative path)."""
+    for f in FAMILIES:
+        fn = getattr(f, "stream_source", None)
+        if fn is not None and f.is_block(block):
+            return fn(block)
+    return None
+
+
 def final_norm_on_output(block: nn.Module) -> str | None:
     """For such a block: the child name for a final norm applied to its output stream."""
     for f in FAMILIES:

@@ -35,5 +35,10 @@ def stream_start(block: nn.Module, rec, call):
     return next((v for w, v in calls[0].outputs if w == ()), None) if calls else None
 
 
+def stream_source(block: nn.Module) -> str:
+    """The submodule whose output starts the stream (the black-box reference sets it there)."""
+    return "layer_norm_emb"
+
+
 def final_norm_on_output(block: nn.Module) -> str:
     return "layers_final_norm"
