@@ -47,6 +47,9 @@ PASS_THROUGH = {
     ("ln_lightning/placement/cli.py", "error"): "`ln-lightning inspect`'s argument errors are argparse's own messages.",
     ("ln_lightning/placement/cli.py", "_load_factory"): "`ln-lightning inspect MODULE:FACTORY`: the factory's own exception, "
     "in one line (`FACTORY() raised TypeError: ...`).",
+    ("ln_lightning/export/cli.py", "error"): "`ln-lightning export`'s argument errors are argparse's own messages.",
+    ("ln_lightning/export/cli.py", "_main"): "`ln-lightning export`: `load_converted`'s message about the checkpoint file "
+    "(listed under checkpoints and loading), in one line.",
 }
 
 
@@ -242,8 +245,16 @@ def _collect(package: Path, stamp: tuple) -> tuple[Message, ...]:
                     for v in pairs:
                         if _stringy(v) or isinstance(v, ast.Name) and mod._assigned_str(v):
                             out += [Message("skip reason", t, site, fn) for t in mod.texts(v)]
-            elif isinstance(node, ast.Return) and fn == "can_convert_to" and node.value is not None and _stringy(node.value):
+            elif isinstance(node, ast.Return) and fn in ("can_convert_to", "_refusal") and node.value is not None and _stringy(node.value):
                 out += [Message("skip reason", t, site, fn) for t in mod.texts(node.value)]
+        # A public module-level constant that reads as a sentence is a message used by name (a skip reason
+        # several sites return, the text a saved directory shows its loaders).
+        for node in mod.tree.body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                    and not node.targets[0].id.startswith("_") and _stringy(node.value)):
+                for t in mod.texts(node.value):
+                    if t.count(" ") >= 15:
+                        out.append(Message("message", t, f"{mod.rel}:{node.lineno}", "<module>"))
     seen, unique = set(), []
     for m in out:
         key = (m.kind, m.text, m.where)
