@@ -117,9 +117,11 @@ def _load_note(d: dict) -> str:
 def bench_convert() -> str:
     d = load("bench_convert")
     rows = d["rows"]
-    lines = ["| model | blocks | width | `inspect_model` (s) | `convert` to pre-norm (s) | per block (ms) |", "|---|---|---|---|---|---|"]
+    lines = ["| model | blocks | width | `inspect_model` (s) | `convert` to pre-norm (s) | its CPU time (s) | per block (ms) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['blocks']} | {r['width']} | {r['inspect_s']:.2f} | {r['convert_s']:.2f} | "
+        cpu = f"{r['convert_cpu_s']:.2f}" if "convert_cpu_s" in r else ""
+        lines.append(f"| {r['model']} | {r['blocks']} | {r['width']} | {r['inspect_s']:.2f} | {r['convert_s']:.2f} | {cpu} | "
                      f"{r['convert_ms_per_block']:.1f} |")
     return "\n".join(lines + ["", "Median of a few runs, every block read from a recorded forward and every rewrite checked. "
                               + _load_note(d) + _caption("bench_convert")])
@@ -177,6 +179,61 @@ def migrate_trained_arms() -> str:
         lines.append(f"| `{arm}` | {s['eval_at_switch']:.3f} | {s['eval_peak_excess']:+.3f} | {s['eval_min']:.3f} | "
                      f"{s['final_eval']:.3f} | {s['final_loss']:.3f} |")
     return "\n".join(lines + ["", "Mean over the seeds. " + _caption("migrate_trained")])
+
+
+def _migrate_arms(d: dict) -> tuple[dict, list[str]]:
+    """The summary and its transition arms (whatever the file holds: `trans_S` for each length S)."""
+    summary = d["summary"]
+    return summary, [a for a in summary if a.startswith("trans")]
+
+
+def _steps(arm: str) -> str:
+    return arm.partition("_")[2] or arm
+
+
+def migrate_trained_setup() -> str:
+    """The study's set-up in one paragraph, from results.json's hparams and arms (examples/migrate_trained.py)."""
+    d = load("migrate_trained")
+    h = d["hparams"]
+    summary, trans = _migrate_arms(d)
+    lengths = " and ".join(_steps(a) for a in trans) or "no"
+    return (f"A {h['layers']}-layer post-norm character LM (width {h['d_model']}) pretrained for {h['pretrain']} steps "
+            f"until its held-out loss flattened, then continued for {h['budget']} steps from the same checkpoint and the "
+            f"same batches in {len(summary)} arms: unchanged, hard-switched (`LNPlacement(\"pre\", resume_unconverted=True)`), "
+            f"and through transitions of {lengths} steps; {h['seeds']} seeds. " + _caption("migrate_trained"))
+
+
+def migrate_trained_claims() -> str:
+    """The claims table's two rows on migrating a trained model, their verdicts computed from the figures."""
+    d = load("migrate_trained")
+    h = d["hparams"]
+    summary, trans = _migrate_arms(d)
+    u, hard, tol = summary["unchanged"], summary["hard"], d["tolerance"]
+    at_switch = max((abs(summary[a]["eval_at_switch"] - u["eval_at_switch"]) for a in trans), default=float("nan"))
+    exact = bool(trans) and at_switch == 0.0
+    row1 = (f"| A transition (`transition_steps`) resumes a trained post-norm model at exactly its function | {h['layers']}-layer "
+            f"char LM pretrained until its held-out loss flattened, resumed from its plugin-less checkpoint, {h['seeds']} seeds: "
+            f"the transitions' held-out loss at the switch differs from continuing unchanged by {at_switch:.1e} at most, "
+            f"where a hard `LNPlacement(\"pre\")` switch starts at {hard['eval_at_switch']:.3f} "
+            f"({hard['eval_at_switch'] - u['eval_at_switch']:+.2f}) | {'supported' if exact else '**not supported**'} |")
+    peaks = {a: summary[a]["eval_peak_excess"] for a in trans}
+    final = {a: summary[a]["final_eval"] - u["final_eval"] for a in [*trans, "hard"]}
+    within = [a for a, v in final.items() if abs(v) <= tol]
+    worse = [a for a, v in final.items() if v > tol]
+    if peaks and all(v <= tol for v in peaks.values()):
+        verdict = "supported: along the blend the held-out loss stays within the run-to-run tolerance"
+    else:
+        below = [f"{_steps(a)} steps" for a in trans if peaks[a] < hard["eval_peak_excess"]]
+        rest = [f"{_steps(a)} steps" for a in trans if peaks[a] >= hard["eval_peak_excess"]]
+        verdict = ("**partly**: nothing is lost at the switch, but the held-out loss rises along the blend"
+                   + (f"; less than after the hard switch for {' and '.join(below)}" if below else "")
+                   + (f"; as much or more for {' and '.join(rest)}" if rest else ""))
+    row2 = ("| ... and so migrates without giving up what it learned | worst held-out excess over the pre-switch loss: "
+            + ", ".join(f"{peaks[a]:+.2f} for the {_steps(a)}-step transition" for a in trans)
+            + f", against {hard['eval_peak_excess']:+.2f} hard; after {h['budget']} steps, within the tolerance "
+            f"({tol:.3f}) of continuing unchanged: {', '.join(f'`{a}`' for a in within) or 'none'}"
+            + (f"; worse: {', '.join(f'`{a}`' for a in worse)}" if worse else "") + f" | {verdict} |")
+    return row1 + "\n" + row2
 
 
 EXAMPLES = [
@@ -260,6 +317,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "bench_transition": bench_transition,
     "bench_monitors": bench_monitors,
     "migrate_trained_arms": migrate_trained_arms,
+    "migrate_trained_setup": migrate_trained_setup,
+    "migrate_trained_claims": migrate_trained_claims,
     "examples": examples,
     "depth_images": depth_images,
     "triton_aot": triton_aot,
