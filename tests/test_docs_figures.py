@@ -57,6 +57,19 @@ def test_the_rule_ignores_fenced_code():
     assert figures.bare_figures("```python\nx = 1\n```\nthen 0.986\n")[0][0] == 4  # the line number in the page
 
 
+def _inline_code(prose: str) -> list[str]:
+    return [span for line in prose.splitlines() for span in line.split("`")[1::2]]
+
+
+@pytest.mark.parametrize("page", [p for p in HAND_WRITTEN if p.name != "development.md"], ids=_rel)
+def test_no_placeholder_inside_inline_code(page):
+    """A placeholder in inline code is shown as it is (that is how the development guide shows the syntax):
+    anywhere else it is a figure that would not be filled in."""
+    prose = "".join(text for is_code, text in figures.split_fenced(page.read_text(encoding="utf-8")) if not is_code)
+    spans = [span for span in _inline_code(prose) if "{{" in span]
+    assert not spans, f"{_rel(page)}: placeholders in inline code: {spans}"
+
+
 def test_readme_has_no_placeholders():
     """GitHub shows the README as it is: it links to the pages with the figures instead."""
     assert not figures.placeholders((ROOT / "README.md").read_text(encoding="utf-8"))
