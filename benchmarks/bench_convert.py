@@ -47,6 +47,7 @@ def main() -> None:
         ),
     }
     rows = []
+    load_start = os.getloadavg()[0]
     for name, build in builders.items():
         models = [build() for _ in range(args.repeats)]
         t_inspect = _time(lambda: inspect_model(models[0]), args.repeats)
@@ -65,9 +66,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:40s} {r['blocks']:6d} {r['inspect_s']:12.3f} {r['convert_s']:12.3f} {r['convert_cpu_s']:16.3f} "
               f"{r['convert_ms_per_block']:9.2f}")
-    if args.json:
+    if args.json:  # with the machine's load (1-minute average at the start and the end): timings on a shared machine
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"rows": rows, "load_average": [load_start, os.getloadavg()[0]], "torch_threads": torch.get_num_threads()},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

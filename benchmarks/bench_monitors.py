@@ -18,18 +18,22 @@ for the device (`tolist`, `item`, `cpu`, `numpy`, `bool()`, `float()`, ...) are 
 Run:
     python benchmarks/bench_monitors.py            # demo model, 12 blocks of 50 steps
     python benchmarks/bench_monitors.py --quick    # smaller model, 6 blocks (smoke test)
+    python benchmarks/bench_monitors.py --json docs/results/bench_monitors/results.json   # also the figures as JSON
 Target: ratio (monitors / none) <= 1.03.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -163,6 +167,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     parser.add_argument("--accelerator", default="auto")
+    parser.add_argument("--json", help="also write the figures printed below to this JSON file")
     args = parser.parse_args(argv)
     if args.quick:
         args.blocks, args.layers, args.d_model, args.block_size, args.batch_size = 6, 3, 64, 64, 16
@@ -180,6 +185,10 @@ def main(argv=None) -> None:
           f"torch threads={torch.get_num_threads()}, log_every_n_steps={args.every}, gradient_clip_val=1.0, "
           f"{args.blocks} alternating blocks of {args.every} steps")
 
+    result: dict = {"argv": sys.argv[1:] if argv is None else list(argv), "torch_threads": torch.get_num_threads(),
+                    "load_average_start": os.getloadavg()[0],
+                    "every": args.every, "blocks": args.blocks, "layers": args.layers, "d_model": args.d_model,
+                    "batch": [args.batch_size, args.block_size]}
     clock = MonitorClock()
     mons = monitors(clock)
     timer = StepTimer()
@@ -212,6 +221,8 @@ def main(argv=None) -> None:
               f"(ratio of means {on_mean / off_mean:.4f}); paired block ratios: {', '.join(f'{r:.3f}' for r in paired)}")
         print(f"[{label}] RATIO monitors/none (median of paired blocks) = {ratio:.4f}; "
               f"target <= 1.03: {'PASS' if ratio <= 1.03 else 'FAIL'}")
+        result[label] = {"ratio_median_paired": ratio, "ratio_of_means": on_mean / off_mean, "paired": paired,
+                         "step_ms_none": 1e3 * off_mean, "step_ms_monitors": 1e3 * on_mean}
 
     # Noise floor: how much the off-blocks alone vary. A target of 3% can't be resolved below it.
     wall = {}
@@ -222,6 +233,7 @@ def main(argv=None) -> None:
     if len(off_means) > 1:
         print(f"noise: off-block mean step times vary by {statistics.stdev(off_means) / statistics.fmean(off_means):.1%} "
               "(coefficient of variation); a ratio is only meaningful to about that precision")
+        result["noise_cv"] = statistics.stdev(off_means) / statistics.fmean(off_means)
     # Attributed cost: time inside monitor code in the on-blocks, against the rest of those steps.
     on_steps = [a[0] for a in timer.starts[:-1] if a[0] % args.every and switch.arm_of(a[0])]
     inside = sum(clock.seconds.get(s_, 0.0) for s_ in on_steps)
@@ -231,6 +243,8 @@ def main(argv=None) -> None:
           f"({1e3 * log_inside:.1f} ms on/after logging steps), i.e. ATTRIBUTED RATIO = "
           f"{step_total / (step_total - inside):.4f} (steps without that time); target <= 1.03: "
           f"{'PASS' if step_total / (step_total - inside) <= 1.03 else 'FAIL'}")
+    result["inside_ms_per_step"] = 1e3 * inside / len(on_steps)
+    result["attributed_ratio"] = step_total / (step_total - inside)
 
     # Host synchronisations: an untimed fit with the torch-call recorder.
     counter = SyncCounter()
@@ -247,6 +261,12 @@ def main(argv=None) -> None:
           f"reduce_to_host copies: {_reduce.HOST_COPIES - before}")
     print(f"monitor torch calls per non-logging step: {sum(1 for s in counter.mode.calls if s not in near_log) / quiet_steps:.1f} "
           "(the clip monitor's per-step window statistics; 0 without gradient clipping)")
+    result["host_syncs"] = {"steps": sync_steps, "logging_steps": len(log_steps), "total": len(syncs),
+                            "per_logging_step_per_callback": len(syncs) / len(log_steps) / 3,
+                            "on_other_steps": sum(1 for s in syncs if s not in near_log)}
+    if args.json:
+        result["load_average_end"] = os.getloadavg()[0]
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

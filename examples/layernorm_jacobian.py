@@ -182,7 +182,9 @@ def plot(rows: list[dict], out: Path, mon: dict | None = None) -> None:
     plt.close(fig)
 
 
-def write_markdown(rows: list[dict], mon: dict, out: Path, argv: list[str], elapsed: float) -> str:
+def render_markdown(results: dict) -> str:
+    """results.md from results.json's content (the docs build renders the results page with this too)."""
+    rows, mon, argv, elapsed = results["jacobian"], results["monitor"], results["argv"], results["elapsed_s"]
     max_rel = max(abs(r["jac_norm"] - r["exact"]) / r["exact"] for r in rows)
     big = [r for r in rows if r["sigma"] >= 100 * math.sqrt(EPS)]
     small = [r for r in rows if r["sigma"] <= math.sqrt(EPS) / 10]
@@ -235,10 +237,9 @@ def write_markdown(rows: list[dict], mon: dict, out: Path, argv: list[str], elap
         lines += ["", "```", w, "```"]
     if not mon["warnings"]:
         lines.append("**The monitor's warning did not fire** (expected: amp_max above half the bound).")
-    lines += ["", "Plot: `jacobian_norm.png`. TensorBoard: `tb/collapsing_ln`."]
-    text = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(text)
-    return text
+    lines += ["", "![LayerNorm Jacobian norm against the input's standard deviation](jacobian_norm.png)", "",
+              "TensorBoard: `tb/collapsing_ln`."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,8 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     mon = part2(out, steps=6 if args.quick else 12)
     plot(rows, out, mon)
     elapsed = time.time() - t0
-    (out / "results.json").write_text(json.dumps({"jacobian": rows, "monitor": mon}, indent=1))
-    print(write_markdown(rows, mon, out, argv, elapsed))
+    results = {"jacobian": rows, "monitor": mon, "argv": argv, "elapsed_s": elapsed}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    text = render_markdown(results)
+    (out / "results.md").write_text(text)
+    print(text)
     if not mon["warnings"]:
         print("layernorm_jacobian: LayerNormInputMonitor did not warn on the collapsing norm", file=sys.stderr)
         return 1

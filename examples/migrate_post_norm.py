@@ -305,8 +305,42 @@ def main(argv: list[str] | None = None) -> int:
         results[kind] = r
         print(f"== {kind}: {r['report']}; loss {r['loss_before']:.3f} -> {r['loss_after']:.3f}; fresh-process logits "
               f"max |diff| = {r['max_abs_diff']:.2e} (logits up to {r['logit_scale']:.2f})")
-    elapsed = time.time() - t0
+    results["run"] = {"argv": argv, "elapsed_s": time.time() - t0, "steps": steps}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    results = json.loads((out / "results.json").read_text())  # render what the file holds
+    text, failures = render_markdown(results), check(results)
+    (out / "results.md").write_text(text)
+    print(text)
+    if failures:
+        print("FAILED: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def models_of(results: dict) -> dict:
+    """The per-model entries of results.json (its "run" entry holds the command, time and steps)."""
+    return {kind: r for kind, r in results.items() if kind != "run"}
+
+
+def check(results: dict) -> list[str]:
+    """What a run must show: the fresh process serves the trained function, a plain load refuses, monitors logged."""
+    failures = []
+    for kind, r in models_of(results).items():
+        if "skipped" in r:
+            continue
+        if not (r["max_abs_diff"] <= 1e-5 * max(1.0, r["logit_scale"])):
+            failures.append(f"{kind}: fresh-process logits differ by {r['max_abs_diff']:.3g}")
+        if r["plain_load"] == "loaded without error":
+            failures.append(f"{kind}: a plain strict load of the converted checkpoint into the original class succeeded")
+        if not r["monitors"]["stream_rms"] or not r["monitors"]["amp_max"]:
+            failures.append(f"{kind}: a monitor logged nothing ({r['monitors']['n_tags']} scalars)")
+    return failures
+
+
+def render_markdown(results: dict) -> str:
+    """results.md from results.json's content (the docs build renders the results page with this too)."""
+    run = results["run"]
+    argv, elapsed, steps = run["argv"], run["elapsed_s"], run["steps"]
     lines = [
         "# migrate_post_norm: inspect, train with LNPlacement and the monitors, serve from the checkpoint",
         "",
@@ -316,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain `load_from_checkpoint` | its `strict=False` logits vs trained, max abs diff | monitored blocks / norms | TensorBoard scalars | last clip/total_norm |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    failures = []
-    for kind, r in results.items():
+    for kind, r in models_of(results).items():
         if "skipped" in r:
             lines.append(f"| {kind} | skipped: {r['skipped']} | | | | | | | |")
             continue
@@ -325,12 +358,6 @@ def main(argv: list[str] | None = None) -> int:
             f"| {kind} | {r['report']} | {r['loss_before']:.3f} → {r['loss_after']:.3f} | {r['max_abs_diff']:.2e} | "
             f"{r['plain_load']} | {r['strict_false_max_abs_diff']:.3g} | {len(r['monitored_blocks'])} / {r['monitored_norms']} | {r['monitors']['n_tags']} | {r['monitors']['clip_total_norm']:.3g} |"
         )
-        if not (r["max_abs_diff"] <= 1e-5 * max(1.0, r["logit_scale"])):
-            failures.append(f"{kind}: fresh-process logits differ by {r['max_abs_diff']:.3g}")
-        if r["plain_load"] == "loaded without error":
-            failures.append(f"{kind}: a plain strict load of the converted checkpoint into the original class succeeded")
-        if not r["monitors"]["stream_rms"] or not r["monitors"]["amp_max"]:
-            failures.append(f"{kind}: a monitor logged nothing ({r['monitors']['n_tags']} scalars)")
     lines += [
         "",
         "Serving code in the fresh process (nothing else is shared with the training run):",
@@ -340,15 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         "model = load_converted(EncoderLM, \"outputs/migrate_post_norm/encoder/ckpt/last.ckpt\")  # rewritten, weights loaded, eval()",
         "```",
         "",
-        "`ln-lightning inspect` output: `encoder/inspect.txt`, `bert/inspect.txt`. Stream rms per block: `*/stream_rms.png`.",
+        "`ln-lightning inspect` output: `encoder/inspect.txt`, `bert/inspect.txt`.",
     ]
-    text = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(text)
-    print(text)
-    if failures:
-        print("FAILED: " + "; ".join(failures), file=sys.stderr)
-        return 1
-    return 0
+    for kind, r in models_of(results).items():
+        if "skipped" not in r:
+            lines += ["", f"![{kind}: stream rms per block during training]({kind}/stream_rms.png)"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -161,7 +161,9 @@ def summarise(meta: dict, series: dict) -> dict:
 # ------------------------------------------------------------------------------------------ report
 
 
-def write_markdown(rows: list[dict], hp: dict, out: Path, argv: list[str], elapsed: float) -> str:
+def render_markdown(results: dict) -> str:
+    """results.md from results.json's content (the docs build renders the results page with this too)."""
+    rows, hp, argv, elapsed = results["runs"], results["hparams"], results["argv"], results["elapsed_s"]
     lines = [
         "# warmup_study: post-norm vs pre-norm (LNPlacement), with and without warmup",
         "",
@@ -222,10 +224,10 @@ def write_markdown(rows: list[dict], hp: dict, out: Path, argv: list[str], elaps
                + (" (post-norm does worse than pre-norm with or without it)" if means["post+warmup"]["final_loss"] > means["pre"]["final_loss"] + tol else ""))
             + ".",
         ]
-    lines += ["", "Plots: `loss_curves.png`, `grad_norm.png`. TensorBoard: `tb/` (one folder per run)."]
-    text = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(text)
-    return text
+    lines += ["", "![Training loss of every run](loss_curves.png)", "",
+              "![Gradient norm before clipping (clip/total_norm)](grad_norm.png)", "",
+              "TensorBoard: `tb/` (one folder per run)."]
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], all_series: dict, out: Path) -> None:
@@ -325,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.time() - t0
     (out / "results.json").write_text(json.dumps({"hparams": hp, "runs": rows, "elapsed_s": elapsed, "argv": argv}, indent=1))
     plot(rows, all_series, out)
-    print(write_markdown(rows, hp, out, argv, elapsed))
+    text = render_markdown(json.loads((out / "results.json").read_text()))  # render what the file holds
+    (out / "results.md").write_text(text)
+    print(text)
     return 0
 
 

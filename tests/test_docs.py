@@ -1,12 +1,23 @@
-"""The API reference's pages follow the packages' `__all__` (the site itself is built by .ci/run:
-`mkdocs build --strict`, and the docstring examples run there as doctests)."""
+"""The documentation's structure: a short README with the set-up commands CI runs, one guide per task in
+the site's navigation, each opening with what the user wants to do, and API pages that follow `__all__`.
+(The site itself is built by .ci/run, `mkdocs build --strict`; tests/test_docs_browser.py opens it.)"""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+GUIDES = sorted((ROOT / "docs" / "guides").glob("*.md"))
+
+MAIN_JOB = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && "
+            "ln-lightning fit --config configs/demo_migrate_prenorm.yaml")
+TEST_SUITE = ('python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[dev,hf,triton]" && '
+              "python -m pytest -q")
 
 
 def test_api_pages_match_all(capsys):
@@ -17,31 +28,63 @@ def test_api_pages_match_all(capsys):
     assert module.main(["--check"]) == 0, capsys.readouterr().err
 
 
-def test_index_links_every_readme_guide():
-    """docs/index.md links each README guide through the rendered guide page: the `##` sections (but
-    Usage, whose `###` subsections are linked one by one, and Layout) and the `###` sections of Usage."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
-    in_code, section, guides = False, None, []
-    for line in readme.splitlines():
-        if line.startswith("```"):
-            in_code = not in_code
-        elif not in_code and line.startswith("## "):
-            section = line[3:].strip()
-            if section not in ("Usage", "Layout"):
-                guides.append(section)
-        elif not in_code and line.startswith("### ") and section == "Usage":
-            guides.append(line[4:].strip())
-    assert len(guides) >= 8
-    for title in guides:
-        assert f"guide.md#{_slug(title)})" in index, f"docs/index.md does not link the README guide {title!r}"
+def test_readme_is_short():
+    assert len(README.splitlines()) <= 150
 
 
-def _slug(title: str) -> str:
-    """Python-Markdown's toc slug (what mkdocs uses for anchors)."""
-    import re
-    import unicodedata
+def test_readme_starts_with_the_two_set_up_commands():
+    lines = README.splitlines()
+    assert MAIN_JOB in lines and TEST_SUITE in lines
+    first_code = next(i for i, line in enumerate(lines) if line.startswith("```"))
+    assert lines[first_code + 1] == MAIN_JOB, "the main job's command is the README's first code block"
+    assert lines.index(MAIN_JOB) < lines.index(TEST_SUITE) < next(i for i, line in enumerate(lines) if line == "```python")
 
-    value = unicodedata.normalize("NFKD", title).encode("ascii", "ignore").decode()
-    value = re.sub(r"[^\w\s-]", "", value).strip().lower()
-    return re.sub(r"[-\s]+", "-", value)
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run runs the README's test command verbatim, in its own venv, with pip's -q."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    readme_install = TEST_SUITE.split(" && ", 2)[2]  # after creating and activating the venv
+    assert readme_install.replace("pip install ", "pip install -q ") + " || exit $?" in ci.splitlines()
+
+
+def _nav_pages() -> list[str]:
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
+    pages: list[str] = []
+
+    def walk(items):
+        for item in items:
+            for value in (item.values() if isinstance(item, dict) else [item]):
+                walk(value) if isinstance(value, list) else pages.append(value)
+
+    walk(config["nav"])
+    return pages
+
+
+def test_every_guide_is_in_the_navigation_and_linked_from_the_readme():
+    nav = _nav_pages()
+    assert len(GUIDES) >= 8
+    for guide in GUIDES:
+        rel = guide.relative_to(ROOT / "docs").as_posix()
+        assert rel in nav, f"{rel} is not in mkdocs.yml's nav"
+        assert f"](docs/{rel})" in README, f"the README does not link {rel}"
+    for page in nav:
+        assert (ROOT / "docs" / page).is_file() or page in ("index.md", "changelog.md") or page.startswith("results/"), page
+
+
+def test_every_guide_opens_with_what_the_user_wants_to_do():
+    """The first paragraph after the title is addressed to the reader's goal: it starts with "You"."""
+    for guide in GUIDES:
+        text = guide.read_text(encoding="utf-8")
+        title, _, rest = text.partition("\n")
+        assert title.startswith("# "), f"{guide.name}: no title"
+        first = rest.strip().split("\n\n")[0]
+        assert first.startswith("You "), f"{guide.name} opens with {first[:80]!r}, not with the reader's goal"
+
+
+def test_readme_and_guides_link_only_to_pages_that_exist():
+    link = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
+    for page in [ROOT / "README.md", *GUIDES]:
+        for target in link.findall(page.read_text(encoding="utf-8")):
+            if target.startswith("http"):
+                continue
+            assert (page.parent / target).resolve().is_file(), f"{page.name} links {target}, which does not exist"

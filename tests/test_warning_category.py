@@ -2,8 +2,8 @@
 
 The filters are checked as a user meets them: in a venv with the package installed from its wheel (not
 editable), run from a temporary directory, with no `PYTHONPATH` (tests/_helpers_venv.py). The documented
-ones (`DOCUMENTED_FILTERS`, each quoted verbatim from the README) must turn the package's real warnings into
-errors there; the interpreter's own `-W` must be what the README says it is: ignored ("Invalid -W option
+ones (`DOCUMENTED_FILTERS`, each quoted verbatim from the troubleshooting guide) must turn the package's real warnings into
+errors there; the interpreter's own `-W` must be what the guide says it is: ignored ("Invalid -W option
 ignored"), because CPython resolves `-W` categories before site-packages is importable.
 
 The call-site check scans the package's source (AST) for `warnings.warn(...)`, `warn(...)` imported
@@ -137,7 +137,7 @@ def test_every_warning_call_passes_the_category():
     assert not offenders, "warning calls without category=LNLightningWarning:\n" + "\n".join(offenders)
 
 
-# The filters the docs promise (README "Warnings and log messages", docs/index.md, ln_lightning/_warnings.py),
+# The filters the docs promise (the troubleshooting guide's "Warnings and log messages", ln_lightning/_warnings.py),
 # verbatim: the tests below run exactly these strings.
 DOCUMENTED_FILTERS = {
     "code": 'warnings.filterwarnings("error", category=LNLightningWarning)',
@@ -146,7 +146,8 @@ DOCUMENTED_FILTERS = {
 }
 # What the interpreter's -W says about a category it cannot import yet.
 INVALID_W = "Invalid -W option ignored: invalid module name: 'ln_lightning'"
-DOCS = [ROOT / "README.md", ROOT / "docs" / "index.md", PACKAGE / "_warnings.py"]
+GUIDE = ROOT / "docs" / "guides" / "troubleshooting.md"
+DOCS = [GUIDE, PACKAGE / "_warnings.py"]
 
 
 def test_the_docs_quote_the_tested_filters():
@@ -154,15 +155,16 @@ def test_the_docs_quote_the_tested_filters():
         text = doc.read_text(encoding="utf-8")
         for name in ("code", "pytest -W"):
             assert DOCUMENTED_FILTERS[name] in text, (doc.name, name)
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert DOCUMENTED_FILTERS["pytest ini"] in readme and "Invalid -W option ignored" in readme
+    guide = GUIDE.read_text(encoding="utf-8")
+    assert DOCUMENTED_FILTERS["pytest ini"] in guide and INVALID_W in guide
 
 
 def test_no_doc_promises_the_interpreters_W_option_for_the_category():
     """`python -W ...::ln_lightning...` and `PYTHONWARNINGS=...ln_lightning...` appear only where a doc says
     they do not work; a `-W` naming the category is otherwise pytest's."""
     offenders = []
-    for doc in dict.fromkeys([*DOCS, ROOT / "CHANGELOG.md", *sorted(PACKAGE.rglob("*.py"))]):
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    for doc in dict.fromkeys([*DOCS, *pages, ROOT / "CHANGELOG.md", *sorted(PACKAGE.rglob("*.py"))]):
         text = doc.read_text(encoding="utf-8")
         for m in re.finditer(r"(\S*)\s+-W\s*[\"']?\w*::ln_lightning|PYTHONWARNINGS=\S*ln_lightning", text):
             before = m.group(1) or ""

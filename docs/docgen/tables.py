@@ -1,0 +1,335 @@
+"""Measured tables, rendered from results files: `{{ tables.NAME }}` in a page is `TABLES[NAME]()`.
+
+Each function reads its results through `figures.load` (the files `figures.SOURCES` names) and returns
+markdown. A table states where its numbers come from (the command that wrote the file) in its caption.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from . import troubleshooting
+from .figures import SOURCES, FigureError, load
+
+
+def _caption(*sources: str) -> str:
+    return "Rendered from " + ", ".join(f"`docs/{SOURCES[s]}`" for s in sources) + "."
+
+
+def _x(v: float | None) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+# ------------------------------------------------------------------ bench_norm (benchmarks/bench_norm.py --out)
+
+
+def _bench_rows(source: str) -> list[dict]:
+    return [r for r in load(source)["results"] if "skipped" not in r]
+
+
+def _speedup(rows, *, variant, dtype, hidden, mode, key="speedup_vs_baseline"):
+    for r in rows:
+        if r["variant"] == variant and r["dtype"] == dtype and r["hidden"] == hidden and r["mode"] == mode:
+            return r.get(key)
+    return None
+
+
+def _per_width(rows, widths, **kw) -> str:
+    vals = [_speedup(rows, hidden=h, **kw) for h in widths]
+    return "" if all(v is None for v in vals) else " / ".join(_x(v) if v is not None else "-" for v in vals)
+
+
+def _widths(rows) -> list[int]:
+    return sorted({r["hidden"] for r in rows})
+
+
+def bench_norm_layernorm() -> str:
+    t1, t2 = _bench_rows("bench_norm_cpu_threads1"), _bench_rows("bench_norm_cpu_threads2")
+    widths = _widths(t1)
+    rows_n = sorted({r["rows"] for r in t1})
+    lines = [
+        f"Forward + backward on CPU, {' / '.join(map(str, rows_n))} rows × {' / '.join(map(str, widths))} wide "
+        "(one figure per width); speedup = the median of per-repeat paired time ratios.",
+        "",
+        "| speedup of | fp32, 1 thread | bf16, 1 thread | fp32, 2 threads | bf16, 2 threads |",
+        "|---|---|---|---|---|",
+    ]
+    spec = [
+        ("`FusedLayerNorm` over `nn.LayerNorm`", "FusedLayerNorm", "speedup_vs_baseline"),
+        ("fused add + norm over eager add + `nn.LayerNorm`", "fused add+LN", "speedup_vs_baseline"),
+        ("fused add + norm over `torch.compile`(add + norm)", "fused add+LN", "speedup_vs_compiled"),
+        ("bf16 fused add + norm on aten's kernels (`LN_LIGHTNING_CPU_KERNELS=0`) over eager", "fused add+LN[aten]", "speedup_vs_baseline"),
+    ]
+    for label, variant, key in spec:
+        cells = [_per_width(rows, widths, variant=variant, dtype=dt, mode="fwd+bwd", key=key)
+                 for rows in (t1, t2) for dt in ("float32", "bfloat16")]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    fwd = [_per_width(t1, widths, variant=v, dtype=dt, mode="fwd") for v in ("FusedLayerNorm", "fused add+LN")
+           for dt in ("float32", "bfloat16")]
+    lines += [
+        "",
+        f"Forward only, 1 thread: `FusedLayerNorm` {fwd[0]} (fp32), {fwd[1]} (bf16); fused add + norm {fwd[2]} (fp32), "
+        f"{fwd[3]} (bf16).",
+        "",
+        _caption("bench_norm_cpu_threads1", "bench_norm_cpu_threads2"),
+    ]
+    return "\n".join(lines)
+
+
+def bench_norm_rms() -> str:
+    runs = [_bench_rows("bench_norm_rms_cpu_run1"), _bench_rows("bench_norm_rms_cpu_run2")]
+    widths = _widths(runs[0])
+    nrows = sorted({r["rows"] for r in runs[0]})
+    cols = [(dt, h) for dt in ("float32", "bfloat16") for h in widths]
+    head = " | ".join(f"{'fp32' if dt == 'float32' else 'bf16'} × {h}" for dt, h in cols)
+    lines = [
+        f"`h = x + r; y = norm(h)` on CPU, {' / '.join(map(str, nrows))} rows, both outputs receiving a gradient; "
+        "two runs (run 1 / run 2), speedup = the median of paired ratios.",
+        "",
+        f"| {'/'.join(map(str, nrows))} rows | {head} |",
+        "|---|" + "---|" * len(cols),
+    ]
+    spec = [
+        ("fwd + bwd: `fused_add_rms_norm(cast_order=\"llama\")` over eager HF `LlamaRMSNorm` + add", "fused add+RMSNorm", "fwd+bwd", "speedup_vs_baseline"),
+        ("fwd + bwd: the same over `torch.compile`(add + `LlamaRMSNorm`)", "fused add+RMSNorm", "fwd+bwd", "speedup_vs_compiled"),
+        ("fwd + bwd: compiled kernels off (aten) over eager", "fused add+RMSNorm[aten]", "fwd+bwd", "speedup_vs_baseline"),
+        ("forward: fused over eager", "fused add+RMSNorm", "fwd", "speedup_vs_baseline"),
+        ("forward: fused over `torch.compile`", "fused add+RMSNorm", "fwd", "speedup_vs_compiled"),
+    ]
+    for label, variant, mode, key in spec:
+        cells = []
+        for dt, h in cols:
+            vals = [_speedup(rows, variant=variant, dtype=dt, hidden=h, mode=mode, key=key) for rows in runs]
+            cells.append(" / ".join(_x(v) if v is not None else "-" for v in vals))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", _caption("bench_norm_rms_cpu_run1", "bench_norm_rms_cpu_run2")]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ benchmarks with --json
+
+
+def _load_note(d: dict) -> str:
+    start, end = d["load_average"]
+    return f"Load average (1 minute) at the start and the end of the run: {start:.1f}, {end:.1f} on 2 cores. "
+
+
+def bench_convert() -> str:
+    d = load("bench_convert")
+    rows = d["rows"]
+    lines = ["| model | blocks | width | `inspect_model` (s) | `convert` to pre-norm (s) | its CPU time (s) | per block (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cpu = f"{r['convert_cpu_s']:.2f}" if "convert_cpu_s" in r else ""
+        lines.append(f"| {r['model']} | {r['blocks']} | {r['width']} | {r['inspect_s']:.2f} | {r['convert_s']:.2f} | {cpu} | "
+                     f"{r['convert_ms_per_block']:.1f} |")
+    return "\n".join(lines + ["", "Median of a few runs, every block read from a recorded forward and every rewrite checked. "
+                              + _load_note(d) + _caption("bench_convert")])
+
+
+def bench_transition() -> str:
+    d = load("bench_transition")
+    rows = d["rows"]
+    lines = ["| model | ms per step: pre-norm | in the transition | after it | transition / pre-norm | after / pre-norm |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ms, ratio = r["ms_per_step"], r["ratio_vs_pre"]
+        lines.append(f"| {r['model']} | {ms['pre']:.2f} | {ms['transition']:.2f} | {ms['finished']:.2f} | "
+                     f"{ratio['transition']['median']:.3f} | {ratio['finished']['median']:.3f} |")
+    return "\n".join(lines + ["", "A training step is forward, backward and an AdamW step, one thread; ratios are medians of "
+                              "paired blocks. " + _load_note(d) + _caption("bench_transition")])
+
+
+def bench_monitors() -> str:
+    r = load("bench_monitors")
+    w, c = r["wall"], r["cpu"]
+    syncs = r["host_syncs"]
+    noise = f"{r['noise_cv']:.0%}" if "noise_cv" in r else "not measured"
+    lines = [
+        "| what | measured |",
+        "|---|---|",
+        f"| time inside the monitors' code, per training step | {r['inside_ms_per_step']:.1f} ms: an attributed ratio of {r['attributed_ratio']:.4f} |",
+        f"| host synchronisations | {syncs['per_logging_step_per_callback']:.1f} per logging step per callback, {syncs['on_other_steps']} on the other steps |",
+        f"| step time with the three monitors over none, median of paired blocks | {w['ratio_median_paired']:.3f} wall clock, {c['ratio_median_paired']:.3f} process CPU time |",
+        f"| the blocks' own noise (coefficient of variation of the blocks without monitors) | {noise} |",
+        "",
+        f"Demo `CharLM` {r['d_model']} wide, {r['layers']} layers, batch {r['batch'][0]} × {r['batch'][1]}, gradient clipping on, "
+        f"`log_every_n_steps={r['every']}`, {r['blocks']} alternating blocks with and without the monitors, "
+        f"{r['torch_threads']} torch threads; load average (1 minute) {r['load_average_start']:.1f} at the start and "
+        f"{r['load_average_end']:.1f} at the end. A paired ratio resolves the monitors' cost only down to the blocks' noise; "
+        "the attributed ratio (the time spent inside monitor code against the rest of the step) does not depend on it.",
+        "",
+        _caption("bench_monitors"),
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ examples
+
+
+def migrate_trained_arms() -> str:
+    """One row per arm of examples/migrate_trained.py's summary (whatever arms the file holds)."""
+    d = load("migrate_trained")
+    summary = d["summary"]
+    lines = [
+        "| arm | held-out loss at the switch | worst excess over pre-switch | lowest after the switch | final held-out | final training |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, s in summary.items():
+        lines.append(f"| `{arm}` | {s['eval_at_switch']:.3f} | {s['eval_peak_excess']:+.3f} | {s['eval_min']:.3f} | "
+                     f"{s['final_eval']:.3f} | {s['final_loss']:.3f} |")
+    return "\n".join(lines + ["", "Mean over the seeds. " + _caption("migrate_trained")])
+
+
+def _migrate_arms(d: dict) -> tuple[dict, list[str]]:
+    """The summary and its transition arms (whatever the file holds: `trans_S` for each length S)."""
+    summary = d["summary"]
+    return summary, [a for a in summary if a.startswith("trans")]
+
+
+def _steps(arm: str) -> str:
+    return arm.partition("_")[2] or arm
+
+
+def migrate_trained_setup() -> str:
+    """The study's set-up in one paragraph, from results.json's hparams and arms (examples/migrate_trained.py)."""
+    d = load("migrate_trained")
+    h = d["hparams"]
+    summary, trans = _migrate_arms(d)
+    lengths = " and ".join(_steps(a) for a in trans) or "no"
+    return (f"A {h['layers']}-layer post-norm character LM (width {h['d_model']}) pretrained for {h['pretrain']} steps "
+            f"until its held-out loss flattened, then continued for {h['budget']} steps from the same checkpoint and the "
+            f"same batches in {len(summary)} arms: unchanged, hard-switched (`LNPlacement(\"pre\", resume_unconverted=True)`), "
+            f"and through transitions of {lengths} steps; {h['seeds']} seeds. " + _caption("migrate_trained"))
+
+
+def migrate_trained_claims() -> str:
+    """The claims table's two rows on migrating a trained model, their verdicts computed from the figures."""
+    d = load("migrate_trained")
+    h = d["hparams"]
+    summary, trans = _migrate_arms(d)
+    u, hard, tol = summary["unchanged"], summary["hard"], d["tolerance"]
+    at_switch = max((abs(summary[a]["eval_at_switch"] - u["eval_at_switch"]) for a in trans), default=float("nan"))
+    exact = bool(trans) and at_switch == 0.0
+    row1 = (f"| A transition (`transition_steps`) resumes a trained post-norm model at exactly its function | {h['layers']}-layer "
+            f"char LM pretrained until its held-out loss flattened, resumed from its plugin-less checkpoint, {h['seeds']} seeds: "
+            f"the transitions' held-out loss at the switch differs from continuing unchanged by {at_switch:.1e} at most, "
+            f"where a hard `LNPlacement(\"pre\")` switch starts at {hard['eval_at_switch']:.3f} "
+            f"({hard['eval_at_switch'] - u['eval_at_switch']:+.2f}) | {'supported' if exact else '**not supported**'} |")
+    peaks = {a: summary[a]["eval_peak_excess"] for a in trans}
+    final = {a: summary[a]["final_eval"] - u["final_eval"] for a in [*trans, "hard"]}
+    within = [a for a, v in final.items() if abs(v) <= tol]
+    worse = [a for a, v in final.items() if v > tol]
+    if peaks and all(v <= tol for v in peaks.values()):
+        verdict = "supported: along the blend the held-out loss stays within the run-to-run tolerance"
+    else:
+        below = [f"{_steps(a)} steps" for a in trans if peaks[a] < hard["eval_peak_excess"]]
+        rest = [f"{_steps(a)} steps" for a in trans if peaks[a] >= hard["eval_peak_excess"]]
+        verdict = ("**partly**: nothing is lost at the switch, but the held-out loss rises along the blend"
+                   + (f"; less than after the hard switch for {' and '.join(below)}" if below else "")
+                   + (f"; as much or more for {' and '.join(rest)}" if rest else ""))
+    row2 = ("| ... and so migrates without giving up what it learned | worst held-out excess over the pre-switch loss: "
+            + ", ".join(f"{peaks[a]:+.2f} for the {_steps(a)}-step transition" for a in trans)
+            + f", against {hard['eval_peak_excess']:+.2f} hard; after {h['budget']} steps, within the tolerance "
+            f"({tol:.3f}) of continuing unchanged: {', '.join(f'`{a}`' for a in within) or 'none'}"
+            + (f"; worse: {', '.join(f'`{a}`' for a in worse)}" if worse else "") + f" | {verdict} |")
+    return row1 + "\n" + row2
+
+
+EXAMPLES = [
+    # (results source, script, what it shows)
+    ("depth_scaling", "depth_scaling.py", "stream rms and relative update per block at initialisation, depth 1 to 128, five placements (`StreamNormMonitor`)"),
+    ("warmup_study", "warmup_study.py", "12-layer char LM: post-norm against `LNPlacement(\"pre\")`, with and without warmup, 2 seeds (`ClipAttributionMonitor`)"),
+    ("warmup_study_lr1e_2", "warmup_study.py", "the same at a higher learning rate"),
+    ("layernorm_jacobian", "layernorm_jacobian.py", "LayerNorm's Jacobian norm against the input's spread; `LayerNormInputMonitor` catching a collapsing norm"),
+    ("migrate_post_norm", "migrate_post_norm.py", "`ln-lightning inspect`, training with the plugin and monitors, `load_converted` in a fresh process (`nn.TransformerEncoder`, HF BERT)"),
+    ("migrate_trained", "migrate_trained.py", "a trained post-norm model continued unchanged, hard-switched and through `transition_steps`"),
+]
+
+
+def _argv_and_minutes(name: str) -> tuple[list[str], float | None]:
+    d = load(name)
+    if name == "migrate_post_norm":
+        return d["run"]["argv"], d["run"]["elapsed_s"] / 60
+    if name == "migrate_trained":
+        return [], d["timing"]["wall_s"] / 60
+    return d.get("argv", []), d["elapsed_s"] / 60 if "elapsed_s" in d else None
+
+
+def examples() -> str:
+    lines = ["| example | regenerate | wall time of the run shown | what it shows | results |", "|---|---|---|---|---|"]
+    for name, script, what in EXAMPLES:
+        argv, minutes = _argv_and_minutes(name)
+        cmd = " ".join(["python", f"examples/{script}", *argv]).strip()
+        page = SOURCES[name].rsplit("/", 1)[0] + "/results.md"
+        lines.append(f"| `{script}` | `{cmd}` | {'' if minutes is None else f'{minutes:.0f} min'} | {what} | [page](../{page}) |")
+    return "\n".join(lines + ["", "Wall times are those of the runs shown, on this project's shared 2-core machine. "
+                              "Rendered from each example's `results.json`."])
+
+
+def triton_aot() -> str:
+    """Per kernel and launch (width bucket): registers, spills and occupancy on each target, from triton_aot.py --json."""
+    d = load("triton_aot")
+    results = d["results"]
+    targets = sorted({r["target"] for r in results}, key=lambda t: int(t.split("_")[1]))
+    rows: dict[tuple[str, str], dict] = {}
+    for r in results:
+        key = (r["kernel"], r["config"])
+        row = rows.setdefault(key, {"widths": set(), "by_target": {}})
+        row["widths"].add(r["width"])
+        row["by_target"].setdefault(r["target"], []).append(r)
+    head = " | ".join(f"{t}: registers / spill bytes / occupancy" for t in targets)
+    lines = [f"| kernel | launch (width bucket) | widths compiled | {head} |", "|---|---|---|" + "---|" * len(targets)]
+
+    def cell(rs):
+        if not rs:
+            return ""
+        regs = [x["regs"] for x in rs if x["regs"] is not None]
+        spills = max(x["spill_stores"] + x["spill_loads"] for x in rs)
+        occ = [x["occupancy"] for x in rs if x["occupancy"] is not None]
+        reg = f"{min(regs)}-{max(regs)}" if regs and min(regs) != max(regs) else (str(regs[0]) if regs else "?")
+        return f"{reg} / {spills} / {min(occ):.0%}" if occ else f"{reg} / {spills} / ?"
+
+    order = sorted(rows, key=lambda k: (k[0], min(rows[k]["widths"])))
+    for kernel, config in order:
+        row = rows[(kernel, config)]
+        widths = ", ".join(map(str, sorted(row["widths"])))
+        lines.append(f"| `{kernel}` | {config} | {widths} | " + " | ".join(cell(row["by_target"].get(t, [])) for t in targets) + " |")
+    problems = sum(len(r["problems"]) for r in results)
+    return "\n".join(lines + ["", f"{len(results)} binaries compiled, {problems} problems (a compile error, a spill or a launch a "
+                              f"target can't take). " + _caption("triton_aot")])
+
+
+def depth_images() -> str:
+    """The exported depth-profile images (docs/docgen/depth_images.py), for a page in docs/guides/."""
+    rec = load("depth_images")
+    lines = []
+    for img in rec["images"]:
+        title = f"{img['run']}-norm run, `{img['tag']}`, step {img['step']}"
+        lines += [f"**{title}**", "", f"![{title}](../img/depth/{img['file']})", ""]
+    return "\n".join(lines + [f"Written by `{rec['command']}`; " + _caption("depth_images")])
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "bench_norm_layernorm": bench_norm_layernorm,
+    "bench_norm_rms": bench_norm_rms,
+    "bench_convert": bench_convert,
+    "bench_transition": bench_transition,
+    "bench_monitors": bench_monitors,
+    "migrate_trained_arms": migrate_trained_arms,
+    "migrate_trained_setup": migrate_trained_setup,
+    "migrate_trained_claims": migrate_trained_claims,
+    "examples": examples,
+    "depth_images": depth_images,
+    "triton_aot": triton_aot,
+    "troubleshooting": troubleshooting.render,
+}
+
+
+class Tables:
+    """What `tables.NAME` in a placeholder calls."""
+
+    def render(self, name: str) -> str:
+        if name not in TABLES:
+            raise FigureError(f"no table {name!r}; known: {', '.join(sorted(TABLES))} (docs/docgen/tables.py TABLES)")
+        return TABLES[name]()
