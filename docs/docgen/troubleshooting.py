@@ -253,7 +253,8 @@ def _collect(package: Path, stamp: tuple) -> tuple[Message, ...]:
             if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
                     and not node.targets[0].id.startswith("_") and _stringy(node.value)):
                 for t in mod.texts(node.value):
-                    if t.count(" ") >= 15:
+                    # a sentence, not a formula: BACKWARD_FORM's spaces are between operators
+                    if t.count(" ") >= 15 and sum(w.isalpha() for w in t.split()) >= 8:
                         out.append(Message("message", t, f"{mod.rel}:{node.lineno}", "<module>"))
     seen, unique = set(), []
     for m in out:
