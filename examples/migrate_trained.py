@@ -32,7 +32,7 @@ Run:
     python examples/migrate_trained.py --report-only # rebuild results.md, results.json and plots from runs/
     python examples/migrate_trained.py --arms unchanged plugin_400   # only these arms (others from runs/)
 
-Writes into --out (default outputs/migrate_trained): results.md, results.json, loss.png, grad_norm.png,
+Writes into --out (default outputs/migrate_trained): results.md, results.json, loss.png,
 drift.png, candidates.png, why_lr.png, why_deepen.png, runs/ (one JSON per run), pretrain_seed*/last.ckpt,
 end_state/ (the end of the arms the why-migrate runs start from), tb/ (TensorBoard), *.log (full mode).
 """

@@ -313,7 +313,9 @@ def report(raw: dict, hp: dict, out: Path, timing: dict, quick: bool, arm_specs:
                      + (". Worse in: " + "; ".join(f"{t} {fmt_list(d, '{:+.4f}')}" for t, d in verdict["against"]) if verdict["against"] else "")
                      + ".")
     if timing:
-        L += ["", "## Time", "", f"Wall {timing['wall_s']:.0f} s ({timing['wall_s'] / 60:.1f} min), {timing.get('jobs', 0)} runs at a time, on "
+        L += ["", "## Time", "", f"Wall {timing['wall_s']:.0f} s ({timing['wall_s'] / 60:.1f} min) for the last invocation of the script "
+              "(with --arms or --why-only, the runs in runs/ come from several), "
+              f"{timing.get('jobs', 0)} runs at a time, on "
               f"{timing.get('cpus')} CPUs shared with other jobs (load average mean {timing.get('load_mean', float('nan')):.1f}). "
               f"CPU time of the runs: {sum(r.get('cpu_s', 0.0) for r in raw.values()):.0f} s."]
     text = "\n".join(L) + "\n"

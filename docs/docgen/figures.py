@@ -43,6 +43,7 @@ SOURCES: dict[str, str] = {
     "layernorm_jacobian": "results/layernorm_jacobian/results.json",
     "migrate_post_norm": "results/migrate_post_norm/results.json",
     "migrate_trained": "results/migrate_trained/results.json",
+    "migrate_trained_screen": "results/migrate_trained_screen/results.json",
     # benchmarks/*.py (--json / --out)
     "bench_convert": "results/bench_convert/results.json",
     "bench_transition": "results/bench_transition/results.json",

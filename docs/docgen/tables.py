@@ -167,73 +167,123 @@ def bench_monitors() -> str:
 # ------------------------------------------------------------------ examples
 
 
+def _seeds(values, fmt: str) -> str:
+    return ", ".join(format(v, fmt) for v in values)
+
+
 def migrate_trained_arms() -> str:
-    """One row per arm of examples/migrate_trained.py's summary (whatever arms the file holds)."""
+    """One row per arm of examples/migrate_trained.py's study (whatever arms results.json holds), per seed."""
     d = load("migrate_trained")
-    summary = d["summary"]
+    runs, arms = d["runs"], d["arms"]
+    u = {r["seed"]: r["final_eval"] for r in runs["unchanged"]}
     lines = [
-        "| arm | held-out loss at the switch | worst excess over pre-switch | lowest after the switch | final held-out | final training |",
-        "|---|---|---|---|---|---|",
+        "| arm | what it does | held-out at the switch | worst excess over pre-switch | final − unchanged | compute / budget | goal: excess; final; compute |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for arm, s in summary.items():
-        lines.append(f"| `{arm}` | {s['eval_at_switch']:.3f} | {s['eval_peak_excess']:+.3f} | {s['eval_min']:.3f} | "
-                     f"{s['final_eval']:.3f} | {s['final_loss']:.3f} |")
-    return "\n".join(lines + ["", "Mean over the seeds. " + _caption("migrate_trained")])
+    for arm, rs in runs.items():
+        goal = arms[arm]["goal"]
+        verdict = "—" if goal is None else " ; ".join("yes" if goal[k] else "**no**" for k in ("excess", "final", "compute"))
+        final = [r["final_eval"] - u[r["seed"]] for r in rs if r["seed"] in u]
+        lines.append(f"| `{arm}` | {arms[arm]['method']} | {_seeds((r['eval_at_switch'] for r in rs), '.4f')} | "
+                     f"{_seeds((r['eval_peak_excess'] for r in rs), '+.4f')} | {_seeds(final, '+.4f')} | "
+                     f"{_seeds((r['units'] / r['budget_units'] for r in rs), '.3f')} | {verdict} |")
+    return "\n".join(lines + ["", f"One figure per seed. Goal: worst excess at most {d['goal_excess']:+.2f} on every seed, final within "
+                              f"{d['tolerance']:.3f} of continuing unchanged, within the budget. " + _caption("migrate_trained")])
 
 
-def _migrate_arms(d: dict) -> tuple[dict, list[str]]:
-    """The summary and its transition arms (whatever the file holds: `trans_S` for each length S)."""
-    summary = d["summary"]
-    return summary, [a for a in summary if a.startswith("trans")]
-
-
-def _steps(arm: str) -> str:
-    return arm.partition("_")[2] or arm
+def _plugin_arms(d: dict) -> list[str]:
+    """The arms that run the plugin's own transition (`plugin_S`)."""
+    return [a for a in d["runs"] if a.startswith("plugin_")]
 
 
 def migrate_trained_setup() -> str:
     """The study's set-up in one paragraph, from results.json's hparams and arms (examples/migrate_trained.py)."""
     d = load("migrate_trained")
     h = d["hparams"]
-    summary, trans = _migrate_arms(d)
-    lengths = " and ".join(_steps(a) for a in trans) or "no"
+    plugin = " and ".join(a.partition("_")[2] for a in _plugin_arms(d)) or "no"
+    others = [a for a in d["runs"] if a != "unchanged" and not a.startswith("plugin_")]
     return (f"A {h['layers']}-layer post-norm character LM (width {h['d_model']}) pretrained for {h['pretrain']} steps "
-            f"until its held-out loss flattened, then continued for {h['budget']} steps from the same checkpoint and the "
-            f"same batches in {len(summary)} arms: unchanged, hard-switched (`LNPlacement(\"pre\", resume_unconverted=True)`), "
-            f"and through transitions of {lengths} steps; {h['seeds']} seeds. " + _caption("migrate_trained"))
+            f"until its held-out loss flattened, then continued within the compute of {h['budget']} more steps from the same "
+            f"checkpoint and the same batches: unchanged, through the plugin's transition of {plugin} steps "
+            f"(`LNPlacement(\"pre\", transition_steps=N, resume_unconverted=True)`), and through "
+            f"{len(others)} candidate migration(s) built on the public transition API; {h['seeds']} seeds. " + _caption("migrate_trained"))
 
 
 def migrate_trained_claims() -> str:
     """The claims table's two rows on migrating a trained model, their verdicts computed from the figures."""
     d = load("migrate_trained")
-    h = d["hparams"]
-    summary, trans = _migrate_arms(d)
-    u, hard, tol = summary["unchanged"], summary["hard"], d["tolerance"]
-    at_switch = max((abs(summary[a]["eval_at_switch"] - u["eval_at_switch"]) for a in trans), default=float("nan"))
-    exact = bool(trans) and at_switch == 0.0
-    row1 = (f"| A transition (`transition_steps`) resumes a trained post-norm model at exactly its function | {h['layers']}-layer "
-            f"char LM pretrained until its held-out loss flattened, resumed from its plugin-less checkpoint, {h['seeds']} seeds: "
-            f"the transitions' held-out loss at the switch differs from continuing unchanged by {at_switch:.1e} at most, "
-            f"where a hard `LNPlacement(\"pre\")` switch starts at {hard['eval_at_switch']:.3f} "
-            f"({hard['eval_at_switch'] - u['eval_at_switch']:+.2f}) | {'supported' if exact else '**not supported**'} |")
-    peaks = {a: summary[a]["eval_peak_excess"] for a in trans}
-    final = {a: summary[a]["final_eval"] - u["final_eval"] for a in [*trans, "hard"]}
-    within = [a for a, v in final.items() if abs(v) <= tol]
-    worse = [a for a, v in final.items() if v > tol]
-    if peaks and all(v <= tol for v in peaks.values()):
-        verdict = "supported: along the blend the held-out loss stays within the run-to-run tolerance"
-    else:
-        below = [f"{_steps(a)} steps" for a in trans if peaks[a] < hard["eval_peak_excess"]]
-        rest = [f"{_steps(a)} steps" for a in trans if peaks[a] >= hard["eval_peak_excess"]]
-        verdict = ("**partly**: nothing is lost at the switch, but the held-out loss rises along the blend"
-                   + (f"; less than after the hard switch for {' and '.join(below)}" if below else "")
-                   + (f"; as much or more for {' and '.join(rest)}" if rest else ""))
-    row2 = ("| ... and so migrates without giving up what it learned | worst held-out excess over the pre-switch loss: "
-            + ", ".join(f"{peaks[a]:+.2f} for the {_steps(a)}-step transition" for a in trans)
-            + f", against {hard['eval_peak_excess']:+.2f} hard; after {h['budget']} steps, within the tolerance "
-            f"({tol:.3f}) of continuing unchanged: {', '.join(f'`{a}`' for a in within) or 'none'}"
-            + (f"; worse: {', '.join(f'`{a}`' for a in worse)}" if worse else "") + f" | {verdict} |")
+    h, runs, goal = d["hparams"], d["runs"], d["goal_excess"]
+    u = {r["seed"]: r for r in runs["unchanged"]}
+    moving = [a for a in runs if a != "unchanged"]
+    at_switch = max(abs(r["eval_at_switch"] - u[r["seed"]]["eval_at_switch"]) for a in moving for r in runs[a])
+    exact = at_switch == 0.0
+    row1 = (f"| A transition resumes a trained post-norm model at exactly its function | {h['layers']}-layer char LM pretrained "
+            f"until its held-out loss flattened, resumed from its plugin-less checkpoint, {h['seeds']} seeds: every transition's "
+            f"held-out loss at the switch differs from continuing unchanged by {at_switch:.1e} at most | "
+            f"{'supported' if exact else '**not supported**'} |")
+    worst = {a: max(r["eval_peak_excess"] for r in runs[a]) for a in moving}
+    plugin = _plugin_arms(d)
+    met = [a for a in moving if all(d["arms"][a]["goal"].values())]
+    best = min(moving, key=lambda a: worst[a])
+    verdict = ("supported by the plugin's default" if any(a in met for a in plugin) else
+               "**partly**: " + (f"`{met[0]}` meets the goal, the plugin's default does not" if met else
+                                 "no arm meets the goal on every seed; the best comes closest"))
+    row2 = (f"| ... and so migrates without giving up what it learned (worst held-out excess at most {goal:+.2f} on every seed) | "
+            + ", ".join(f"`{a}` (the plugin's default) {worst[a]:+.3f}" for a in plugin)
+            + f"; best: `{best}` {worst[best]:+.3f} (worst seed) | {verdict} |")
     return row1 + "\n" + row2
+
+
+def migrate_trained_drift() -> str:
+    """The drift profile at a few blends (trained weights fixed): KL to the trained function and held-out change."""
+    d = load("migrate_trained")
+    at = (0.5, 0.8, 0.9, 1.0)
+    seeds = sorted(d["drift"])
+    variants = list(d["drift"][seeds[0]])
+    lines = ["| blend | " + " | ".join(f"a = {a}: KL; held-out change" for a in at) + " |", "|---" * (len(at) + 1) + "|"]
+    for v in variants:
+        cells = []
+        for a in at:
+            per_seed = []
+            for s in seeds:
+                rows = d["drift"][s][v]["rows"]
+                r = min(rows, key=lambda r: abs(r["a"] - a))
+                per_seed.append(f"{r['kl']:.3f}; {r['heldout'] - rows[0]['heldout']:+.3f}")
+            cells.append(" / ".join(per_seed))
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", "Per seed (separated by /), on a fixed probe batch with no training. " + _caption("migrate_trained")])
+
+
+def migrate_trained_why() -> str:
+    """What the migrated model can do that the unchanged one can't: higher learning rates, added blocks."""
+    d = load("migrate_trained")
+    why = d["why"]
+    lines = ["| test | model | held-out at the start | worst | final | diverged | clipped |", "|---|---|---|---|---|---|---|"]
+    for key, rs in why.items():
+        test, _, model = key.partition("/")
+        lines.append(f"| {test} | {model} | {_seeds((r['start'] for r in rs), '.4f')} | {_seeds((r['worst'] for r in rs), '.4f')} | "
+                     f"{_seeds((r['final'] for r in rs), '.4f')} | {', '.join('yes' if r['diverged'] else 'no' for r in rs)} | "
+                     f"{_seeds((r['clipped'] for r in rs), '.0%')} |")
+    v = d["why_verdict"]
+    def tests(pairs):  # (test, final held-out migrated − unchanged per seed)
+        return ", ".join(f"{t} ({_seeds(diff, '+.4f')})" for t, diff in pairs)
+
+    said = ("the migrated model ends lower on: " + tests(v["advantages"]) if v["advantages"] else
+            "no test shows the migrated model ahead beyond the tolerance on every seed")
+    if v["against"]:
+        said += "; higher on: " + tests(v["against"])
+    return "\n".join(lines + ["", f"One figure per seed. As measured: {said} (tolerance {v['tolerance']:.3f}). "
+                              + _caption("migrate_trained")])
+
+
+def migrate_trained_screen() -> str:
+    """The screen's runs (examples/migrate_trained_screen), best first within each seed."""
+    d = load("migrate_trained_screen")
+    lines = ["| run | seed | worst excess (step) | final − unchanged | compute units | steps |", "|---|---|---|---|---|---|"]
+    for r in sorted(d["rows"], key=lambda r: (r["seed"], r["name"] != "unchanged", r["worst"])):
+        fu = "—" if r["final_minus_unchanged"] is None else f"{r['final_minus_unchanged']:+.4f}"
+        lines.append(f"| `{r['name']}` | {r['seed']} | {r['worst']:+.4f} ({r['worst_step']}) | {fu} | {r['units']:.0f} | {r['steps']} |")
+    return "\n".join(lines + ["", "A screen (a pure-torch reimplementation of the continuation), not the study. " + _caption("migrate_trained_screen")])
 
 
 EXAMPLES = [
@@ -243,7 +293,7 @@ EXAMPLES = [
     ("warmup_study_lr1e_2", "warmup_study.py", "the same at a higher learning rate"),
     ("layernorm_jacobian", "layernorm_jacobian.py", "LayerNorm's Jacobian norm against the input's spread; `LayerNormInputMonitor` catching a collapsing norm"),
     ("migrate_post_norm", "migrate_post_norm.py", "`ln-lightning inspect`, training with the plugin and monitors, `load_converted` in a fresh process (`nn.TransformerEncoder`, HF BERT)"),
-    ("migrate_trained", "migrate_trained.py", "a trained post-norm model continued unchanged, hard-switched and through `transition_steps`"),
+    ("migrate_trained", "migrate_trained.py", "a trained post-norm model continued unchanged, through the plugin's `transition_steps` and through candidate migrations (stream-scaled blend, endpoint steps, distillation)"),
 ]
 
 
@@ -252,7 +302,8 @@ def _argv_and_minutes(name: str) -> tuple[list[str], float | None]:
     if name == "migrate_post_norm":
         return d["run"]["argv"], d["run"]["elapsed_s"] / 60
     if name == "migrate_trained":
-        return [], d["timing"]["wall_s"] / 60
+        # run in pieces (--arms, --why-only): the wall of the last piece is not the study's; its runs' CPU time is
+        return [], None
     return d.get("argv", []), d["elapsed_s"] / 60 if "elapsed_s" in d else None
 
 
@@ -262,7 +313,8 @@ def examples() -> str:
         argv, minutes = _argv_and_minutes(name)
         cmd = " ".join(["python", f"examples/{script}", *argv]).strip()
         page = SOURCES[name].rsplit("/", 1)[0] + "/results.md"
-        lines.append(f"| `{script}` | `{cmd}` | {'' if minutes is None else f'{minutes:.0f} min'} | {what} | [page](../{page}) |")
+        wall = "(run in pieces; CPU time on its page)" if minutes is None else f"{minutes:.0f} min"
+        lines.append(f"| `{script}` | `{cmd}` | {wall} | {what} | [page](../{page}) |")
     return "\n".join(lines + ["", "Wall times are those of the runs shown, on this project's shared 2-core machine. "
                               "Rendered from each example's `results.json`."])
 
@@ -319,6 +371,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "migrate_trained_arms": migrate_trained_arms,
     "migrate_trained_setup": migrate_trained_setup,
     "migrate_trained_claims": migrate_trained_claims,
+    "migrate_trained_screen": migrate_trained_screen,
+    "migrate_trained_drift": migrate_trained_drift,
+    "migrate_trained_why": migrate_trained_why,
     "examples": examples,
     "depth_images": depth_images,
     "triton_aot": triton_aot,
