@@ -23,6 +23,12 @@ import torch
 
 REDUCED = (torch.float16, torch.bfloat16)
 
+# The torch.library namespace of every op here, versioned: bump it whenever an op's schema changes.
+# torch.compile's caches (AOTAutograd, FX graph) key a compiled backward on the forward graph, which
+# names the forward op only, so a backward compiled against an older schema would be replayed after an
+# upgrade (seen when the backward ops gained `eps`: "missing value for argument 'eps'").
+OPS = "ln_lightning_v2"
+
 # How our LayerNorm kernels evaluate the input gradient, g = dy * w. The textbook
 # rstd * (g - mean(g) - x_hat * mean(g * x_hat)) multiplies g's component along x_hat by
 # 1 - mean(x_hat**2) = eps * rstd**2 but computes it as a difference of nearly equal terms; at width 2,

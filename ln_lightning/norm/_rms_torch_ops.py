@@ -121,9 +121,9 @@ def _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w, eps):
     return dh, (dw.to(weight.dtype) if need_w else h.new_empty(0))
 
 
-add_rms_norm = torch.library.custom_op("ln_lightning::add_rms_norm", add_rms_norm_impl, mutates_args=())
+add_rms_norm = torch.library.custom_op(f"{_common.OPS}::add_rms_norm", add_rms_norm_impl, mutates_args=())
 add_rms_norm_backward = torch.library.custom_op(
-    "ln_lightning::add_rms_norm_backward", add_rms_norm_backward_impl, mutates_args=()
+    f"{_common.OPS}::add_rms_norm_backward", add_rms_norm_backward_impl, mutates_args=()
 )
 add_rms_norm.register_fake(_rms_common.fake_forward)
 add_rms_norm_backward.register_fake(_rms_common.fake_backward)

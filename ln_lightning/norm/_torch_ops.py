@@ -125,9 +125,9 @@ def _compiled_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_g
 
 
 # The ops torch.compile traces (opaque to it, with fake kernels and the autograd formula).
-add_layer_norm = torch.library.custom_op("ln_lightning::add_layer_norm", add_layer_norm_impl, mutates_args=())
+add_layer_norm = torch.library.custom_op(f"{_common.OPS}::add_layer_norm", add_layer_norm_impl, mutates_args=())
 add_layer_norm_backward = torch.library.custom_op(
-    "ln_lightning::add_layer_norm_backward", add_layer_norm_backward_impl, mutates_args=()
+    f"{_common.OPS}::add_layer_norm_backward", add_layer_norm_backward_impl, mutates_args=()
 )
 add_layer_norm.register_fake(_common.fake_forward)
 add_layer_norm_backward.register_fake(_common.fake_backward)

@@ -467,9 +467,9 @@ def triton_add_layer_norm_backward_impl(
 
 
 # triton_op: torch.compile sees through to the kernels (and uses the impl as the fake kernel).
-triton_add_layer_norm = triton_op("ln_lightning::triton_add_layer_norm", triton_add_layer_norm_impl, mutates_args=())
+triton_add_layer_norm = triton_op(f"{_common.OPS}::triton_add_layer_norm", triton_add_layer_norm_impl, mutates_args=())
 triton_add_layer_norm_backward = triton_op(
-    "ln_lightning::triton_add_layer_norm_backward", triton_add_layer_norm_backward_impl, mutates_args=()
+    f"{_common.OPS}::triton_add_layer_norm_backward", triton_add_layer_norm_backward_impl, mutates_args=()
 )
 _common.register_autograd(triton_add_layer_norm, triton_add_layer_norm_backward)
 triton_add_layer_norm_eager = _common.eager_function(triton_add_layer_norm_impl, triton_add_layer_norm_backward_impl)

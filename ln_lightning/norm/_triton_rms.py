@@ -348,9 +348,9 @@ def triton_add_rms_norm_backward_impl(
     return dh, dw
 
 
-triton_add_rms_norm = triton_op("ln_lightning::triton_add_rms_norm", triton_add_rms_norm_impl, mutates_args=())
+triton_add_rms_norm = triton_op(f"{_common.OPS}::triton_add_rms_norm", triton_add_rms_norm_impl, mutates_args=())
 triton_add_rms_norm_backward = triton_op(
-    "ln_lightning::triton_add_rms_norm_backward", triton_add_rms_norm_backward_impl, mutates_args=()
+    f"{_common.OPS}::triton_add_rms_norm_backward", triton_add_rms_norm_backward_impl, mutates_args=()
 )
 _rms_common.register_autograd(triton_add_rms_norm, triton_add_rms_norm_backward)
 triton_add_rms_norm_eager = _rms_common.eager_function(triton_add_rms_norm_impl, triton_add_rms_norm_backward_impl)
