@@ -1,4 +1,4 @@
-import sys, math, random
+import sys
 import os
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import screen
@@ -6,15 +6,9 @@ seed = int(sys.argv[1]); which = sys.argv[2]
 os.makedirs(screen.LOG_DIR, exist_ok=True)
 log = f"{screen.LOG_DIR}/exp3_{which}_seed{seed}.jsonl"
 R = dict(path="rescaled")
-def anticipate(p, T):
-    def f(step, a, af):
-        if a[0] < 1.0 and random.Random(step * 7919 + 1).random() < p:
-            return [1.0] * len(a), 1.0
-        return a, af
-    return f
 if which == "a":
     screen.run(seed, "rescaled_lin700_snap", screen.linear(700), save_at=(350, 560, 630, 690, 700, 760), log=log, **R)
-    screen.run(seed, "rescaled_lin400_antic0.25", screen.linear(400), step_blend_fn=anticipate(0.25, 400), log=log, **R)
+    screen.run(seed, "rescaled_lin400_antic0.25", screen.linear(400), step_blend_fn=screen.anticipate(0.25), log=log, **R)
 else:
-    screen.run(seed, "rescaled_lin700_antic0.25", screen.linear(700), step_blend_fn=anticipate(0.25, 700), log=log, **R)
+    screen.run(seed, "rescaled_lin700_antic0.25", screen.linear(700), step_blend_fn=screen.anticipate(0.25), log=log, **R)
     screen.run(seed, "rescaled_lin400_distill3", screen.linear(400), distill=3.0, log=log, **R)

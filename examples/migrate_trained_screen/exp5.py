@@ -1,4 +1,4 @@
-import sys, math, random
+import sys
 import os
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import screen
@@ -6,17 +6,11 @@ seed = int(sys.argv[1]); which = sys.argv[2]
 os.makedirs(screen.LOG_DIR, exist_ok=True)
 log = f"{screen.LOG_DIR}/exp5_{which}_seed{seed}.jsonl"
 R = dict(path="rescaled")
-def anticipate(p):
-    def f(step, a, af):
-        if a[0] < 1.0 and random.Random(step * 7919 + 1).random() < p:
-            return [1.0] * len(a), 1.0
-        return a, af
-    return f
 if which == "a":
     screen.run(seed, "unchanged", screen.uniform(lambda s: 0.0), log=log)
-    screen.run(seed, "rescaled_lin400_antic0.25", screen.linear(400), step_blend_fn=anticipate(0.25), log=log, **R)
-    screen.run(seed, "rescaled_lin700_antic0.5", screen.linear(700), step_blend_fn=anticipate(0.5), log=log, **R)
+    screen.run(seed, "rescaled_lin400_antic0.25", screen.linear(400), step_blend_fn=screen.anticipate(0.25), log=log, **R)
+    screen.run(seed, "rescaled_lin700_antic0.5", screen.linear(700), step_blend_fn=screen.anticipate(0.5), log=log, **R)
 else:
     screen.run(seed, "rescaled_lin400", screen.linear(400), log=log, **R)
-    screen.run(seed, "rescaled_lin700_antic0.25_distill1", screen.linear(700), step_blend_fn=anticipate(0.25), distill=1.0, log=log, **R)
+    screen.run(seed, "rescaled_lin700_antic0.25_distill1", screen.linear(700), step_blend_fn=screen.anticipate(0.25), distill=1.0, log=log, **R)
     screen.run(seed, "rescaled_lin400_distill1", screen.linear(400), distill=1.0, log=log, **R)

@@ -4,7 +4,6 @@ Sublayers k = 0..2L-1 (attn_0, mlp_0, attn_1, ...). Site norm S_k: the norm afte
 forward (ln1 / ln2 of the block). Entry norm E_k: the norm the branch reads at blend 1.
 Per sublayer blend a_k; final norm blend af.
 """
-import math
 import torch
 from torch.nn import functional as F
 
