@@ -144,8 +144,15 @@ def methods(hp: dict) -> dict:
 
 def arms(hp: dict) -> dict:
     """Every continuation arm, name -> spec, in report order."""
+    T = hp["unit"]
+    long = max(2, 7 * T // 4)
     out = {"unchanged": {"kind": "unchanged"}, "hard": {"kind": "plugin", "transition_steps": None},
-           f"plugin_{hp['unit']}": {"kind": "plugin", "transition_steps": hp["unit"]}}
+           # the plugin's default: the stream-scaled blend with 25% endpoint steps
+           f"plugin_{T}": {"kind": "plugin", "transition_steps": T},
+           f"plugin_{long}": {"kind": "plugin", "transition_steps": long},
+           # the plugin's plain blend (its default before issue 20's study): transition_stream_scale=False, no endpoint steps
+           f"plugin_plain_{T}": {"kind": "plugin", "transition_steps": T,
+                                 "options": {"transition_stream_scale": False, "transition_endpoint_fraction": 0.0}}}
     for name, m in methods(hp).items():
         out[name] = {"kind": "method", "method": m}
     return out
@@ -287,7 +294,7 @@ def train_one(job: str, seed: int, hp: dict, out: Path) -> dict:
         max_steps = hp["pretrain"] + hp["budget"]
         ckpt_path = str(ckpt_dir / "last.ckpt")
         if spec["kind"] == "plugin":
-            kw = {} if spec["transition_steps"] is None else {"transition_steps": spec["transition_steps"]}
+            kw = {} if spec["transition_steps"] is None else {"transition_steps": spec["transition_steps"], **spec.get("options", {})}
             plugin = LNPlacement("pre", resume_unconverted=True, log_report=False, **kw)
         elif spec["kind"] == "method":
             # after the Probe: the Probe evaluates the blend the model holds, then the method sets the one it trains at

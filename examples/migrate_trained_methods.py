@@ -68,7 +68,7 @@ class _ScaledSite:
     def blend(self) -> torch.Tensor:  # the call site's normalisation weighs 1 - b (what the monitors read)
         return self.own.blend
 
-    def call_site(self, h, y):
+    def call_site(self, h, y, norm=None):
         a, b = self.t.a(h), self.own.a(h)
         return (1 - b) * (_scale(a, self.stream_scale.to(h.dtype)) * y) + b * h
 

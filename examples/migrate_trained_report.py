@@ -102,7 +102,11 @@ def describe(name: str, spec: dict) -> str:
     if spec["kind"] == "plugin":
         if spec["transition_steps"] is None:
             return '`LNPlacement("pre", resume_unconverted=True)`: pre-norm from the first step'
-        return f'`LNPlacement("pre", transition_steps={spec["transition_steps"]}, resume_unconverted=True)`: the plugin\'s default'
+        opts = "".join(f", {k}={v!r}" for k, v in spec.get("options", {}).items())
+        if opts:
+            return f'`LNPlacement("pre", transition_steps={spec["transition_steps"]}, resume_unconverted=True{opts})`: the plugin\'s plain blend'
+        return (f'`LNPlacement("pre", transition_steps={spec["transition_steps"]}, resume_unconverted=True)`: the plugin\'s default '
+                '(stream-scaled blend, 25% endpoint steps)')
     return spec["method"].describe()
 
 

@@ -104,3 +104,60 @@ class BlendRecorder(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
         self.blends.append(transition.get_blend(pl_module))
+
+
+# ---------------------------------------------------------------------------------------------- stream scales
+# The plain blend with every step at the held blend: what the transition tests written before the
+# stream-scaled default check (the schedule itself, and an endpoint that is plain pre-norm).
+PLAIN = dict(transition_stream_scale=False, transition_endpoint_fraction=0.0)
+HELD = dict(transition_endpoint_fraction=0.0)  # the stream-scaled blend, every step at the held blend
+
+
+def _stack_of(path: str) -> str:
+    # The module path up to the block index ("blocks.0.ln1" -> "blocks"): the stack, read from the names
+    # (the product reads it from the converted blocks' containers).
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[:i])
+    return ""
+
+
+def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "pre", **convert_kw) -> nn.Module:
+    """The stream-scaled endpoint built independently of the transition's own recording: a copy converted with
+    branch_scale="stream", each branch's constant C_k = prod sigma_i / mean|gamma_i| over the sites before it in
+    its stack, measured by forward pre-hooks on the *unconverted* model's norms (stream_scale.site_ratios) in a
+    training-mode forward on `x` (the tests' models have no dropout)."""
+    import copy
+
+    from ln_lightning import convert
+    from ln_lightning.placement.blocks import STREAM_SITE_ATTR
+    from ln_lightning.placement.stream_scale import cumulative_scales, site_ratios
+
+    ref = copy.deepcopy(unconverted)
+    convert(ref, placement, branch_scale="stream", **convert_kw)
+    paths = {id(m): p for p, m in ref.named_modules()}
+    scaled = {paths[id(m.__dict__[STREAM_SITE_ATTR])]: m for m in ref.modules() if STREAM_SITE_ATTR in m.__dict__}
+    norms = dict(unconverted.named_modules())
+    order: list[str] = []
+    handles = [norms[p].register_forward_pre_hook(lambda mod, args, p=p: order.append(p)) for p in scaled]
+    was = unconverted.training
+    unconverted.train()
+    try:
+        with torch.no_grad():
+            unconverted(x)
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(order) == sorted(scaled), "each site runs once"
+    ratios = site_ratios(unconverted, [norms[p] for p in order], lambda m: m(x))
+    unconverted.train(was)
+    stacks: dict[str, list[int]] = {}
+    for i, p in enumerate(order):
+        stacks.setdefault(_stack_of(p), []).append(i)
+    with torch.no_grad():
+        for idx in stacks.values():
+            c = cumulative_scales([ratios[i] for i in idx])
+            for j, i in enumerate(idx):
+                scaled[order[i]].c.fill_(c[j])
+    return ref

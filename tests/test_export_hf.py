@@ -176,7 +176,8 @@ def _bert_lm():
 @pytest.mark.parametrize("steps", [None, 6], ids=["converted", "mid-transition"])
 def test_a_lightning_module_rewritten_by_lnplacement_saves_its_hugging_face_model(steps, tmp_path):
     module = _bert_lm()
-    fit = trainer(tmp_path, LNPlacement("pre", transition_steps=steps, fused=False, log_report=False), max_steps=2)
+    plain = dict(transition_stream_scale=False) if steps else {}  # the plain blend: the remote code blends it
+    fit = trainer(tmp_path, LNPlacement("pre", transition_steps=steps, fused=False, log_report=False, **plain), max_steps=2)
     with pytest.warns(LNLightningWarning, match="ended during the transition") if steps else contextlib.nullcontext():
         fit.fit(module, train_dataloaders=loader())
     bert = module.model.bert.eval()
@@ -191,6 +192,29 @@ def test_a_lightning_module_rewritten_by_lnplacement_saves_its_hugging_face_mode
     if steps:
         assert float(rewrite_state.of(loaded).transition.blend) == pytest.approx(2 / 6)
     bert.save_pretrained(tmp_path / "e")  # its own method, as a user would call it
+    remote = T.AutoModel.from_pretrained(tmp_path / "e", trust_remote_code=True, add_pooling_layer=False).eval()
+    assert rel(output(remote, {"input_ids": ids}), expected) <= TOL
+
+
+def test_a_stream_scaled_transition_is_refused_mid_way_and_saved_once_it_ended(tmp_path):
+    module = _bert_lm()
+    with pytest.warns(LNLightningWarning, match="ended during the transition"):
+        trainer(tmp_path, LNPlacement("pre", transition_steps=6, fused=False, log_report=False), max_steps=2).fit(
+            module, train_dataloaders=loader())
+    with pytest.raises(PlacementError, match="stream-scaled transition.*remote code does not blend"):
+        save_pretrained(module, tmp_path / "d")
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+    ended = _bert_lm()
+    trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False), max_steps=3).fit(
+        ended, train_dataloaders=loader())
+    bert = ended.model.bert.eval()
+    scales = {n: b.item() for n, b in bert.named_buffers() if n.endswith("_scale.c")}
+    assert scales and any(v != 1.0 for v in scales.values())  # measured
+    ids = batch(3)
+    expected = output(bert, {"input_ids": ids})
+    assert save_pretrained(ended, tmp_path / "e").route == "remote_code"  # branch scales: no native pre-norm class
+    loaded = from_pretrained(tmp_path / "e", add_pooling_layer=False)
+    assert rel(output(loaded, {"input_ids": ids}), expected) <= TOL
     remote = T.AutoModel.from_pretrained(tmp_path / "e", trust_remote_code=True, add_pooling_layer=False).eval()
     assert rel(output(remote, {"input_ids": ids}), expected) <= TOL
 

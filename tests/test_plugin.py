@@ -51,7 +51,7 @@ def _x():
     "kwargs, match",
     [
         (dict(placement="middle"), r"LNPlacement: unknown placement 'middle'; valid placements are 'pre' .*'post' .*'peri' .*'output' .*'mix'"),
-        (dict(branch_scale="deep"), r"unknown branch_scale 'deep'; valid values are None, a positive float c, 'depth' .* or 'layerscale'"),
+        (dict(branch_scale="deep"), r"unknown branch_scale 'deep'; valid values are None, a positive float c, 'depth' .*, 'layerscale' or 'stream'"),
         (dict(branch_scale=-0.5), r"branch_scale=-0.5 is not valid; valid values are"),
         (dict(branch_scale=float("nan")), r"branch_scale=nan is not valid"),
         (dict(branch_scale=True), r"branch_scale=True is not valid"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import pickle
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from ln_lightning import LNLightningWarning
 from ln_lightning.placement import PlacementError, convert, transition
+from ln_lightning.placement.transition_control import endpoint_step
 from ln_lightning.plugin import LNPlacement, load_converted
 
-from _helpers_transition import KINDS, LM, TINY, BlendRecorder, TorchEncoderLM, batch, loader, loss_of, make, rel, trainer
+from _helpers_transition import HELD, KINDS, LM, PLAIN, TINY, BlendRecorder, TorchEncoderLM, batch, loader, loss_of, make, rel, stream_reference, trainer
 
 
 # ---------------------------------------------------------------------------------------------- the mechanism
@@ -163,22 +166,27 @@ def test_schedules():
 
 
 # ---------------------------------------------------------------------------------------------- the plugin
+@pytest.mark.parametrize("blend", ["stream", "plain"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_plugin_first_loss_is_the_unconverted_loss_and_ends_at_convert(kind, tmp_path):
+def test_plugin_first_loss_is_the_unconverted_loss_and_ends_at_convert(kind, blend, tmp_path):
     n = 4
     # lr 0: the weights stay, so each step's loss is the function at that step's blend.
     module = LM(kind, lr=0.0)
     unconverted = copy.deepcopy(module.model)
     rec = BlendRecorder()
-    trainer(tmp_path, LNPlacement("pre", transition_steps=n, fused=False, log_report=False), max_steps=n + 1,
+    options = HELD if blend == "stream" else PLAIN
+    trainer(tmp_path, LNPlacement("pre", transition_steps=n, fused=False, log_report=False, **options), max_steps=n + 1,
             callbacks=[rec]).fit(module, train_dataloaders=loader())
     x = batch(1)
     first = loss_of(unconverted, x)
     assert abs(module.losses[0] - first) <= 1e-6 * abs(first)
     assert rec.blends == [0.0, 0.25, 0.5, 0.75, None]  # finished after step N: plain pre-norm for step N+1
     assert transition.leftovers(module) == []
-    reference = copy.deepcopy(unconverted)
-    convert(reference, "pre")
+    if blend == "stream":  # the branch constants measured on the first batch (x), computed here independently
+        reference = stream_reference(unconverted, x)
+    else:
+        reference = copy.deepcopy(unconverted)
+        convert(reference, "pre")
     assert rel(module.model(x), reference(x)) <= 1e-6
     assert abs(module.losses[-1] - loss_of(reference, x)) <= 1e-6 * loss_of(reference, x)
 
@@ -195,7 +203,7 @@ def test_plugin_trained_weights_end_as_their_pre_norm_rewrite(kind, tmp_path):
     from ln_lightning.norm import swap_layernorms
 
     swap_layernorms(fresh)
-    convert(fresh, "pre")
+    convert(fresh, "pre", branch_scale="stream")  # its constants load with the weights
     result = fresh.load_state_dict(module.model.state_dict(), strict=False)
     assert result.missing_keys == [] and all(k.endswith("ln_lightning_placement") for k in result.unexpected_keys)  # LNPlacement's marker
     assert [type(m) for m in fresh.modules()] == [type(m) for m in module.model.modules()]
@@ -205,7 +213,7 @@ def test_plugin_trained_weights_end_as_their_pre_norm_rewrite(kind, tmp_path):
 
 def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
     n, total = 4, 6
-    plugin = lambda: LNPlacement("pre", transition_steps=n, fused=False, log_report=False)
+    plugin = lambda: LNPlacement("pre", transition_steps=n, fused=False, log_report=False, **HELD)
     straight = LM("demo")
     trainer(tmp_path / "a", plugin(), max_steps=total).fit(straight, train_dataloaders=loader())
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=n // 2, save_top_k=-1)
@@ -221,14 +229,14 @@ def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
     assert transition.get_blend(loaded) == 0.5
     assert rel(loaded.model(batch(3)), first.model.eval()(batch(3))) <= 1e-6
     # validate(ckpt_path) on a fresh model runs the checkpoint's blend, with or without transition_steps.
-    for p in (plugin(), LNPlacement("pre", fused=False, log_report=False)):
+    for p in (plugin(), LNPlacement("pre", branch_scale="stream", fused=False, log_report=False)):
         evaluated = LM("demo")
         Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                 plugins=[p]).validate(evaluated, dataloaders=loader(), ckpt_path=path)
         assert transition.get_blend(evaluated) == 0.5
     # Fitting from it without transition_steps would train a blend that never moves: refused, naming the values.
     with pytest.raises(PlacementError, match="in a placement transition.*transition_steps=4, transition_schedule='linear'"):
-        trainer(tmp_path / "e", LNPlacement("pre", fused=False, log_report=False), max_steps=total).fit(
+        trainer(tmp_path / "e", LNPlacement("pre", branch_scale="stream", fused=False, log_report=False), max_steps=total).fit(
             LM("demo"), train_dataloaders=loader(), ckpt_path=path)
     resumed = LM("demo")
     rec = BlendRecorder()
@@ -291,7 +299,8 @@ def test_plugin_less_checkpoint_continues_as_pre_norm(final_norm, tmp_path):
     resumed = LM("demo", seed=5)
     probe = ResumeProbe(x)
     rec = BlendRecorder()
-    plugin = LNPlacement("pre", transition_steps=4, resume_unconverted=True, final_norm=final_norm, fused=False, log_report=False)
+    plugin = LNPlacement("pre", transition_steps=4, resume_unconverted=True, final_norm=final_norm, fused=False, log_report=False,
+                         **HELD)
     with pytest.warns(UserWarning, match="exactly the function they were trained for and moves to pre-norm"):
         trainer(tmp_path, plugin, max_steps=s + 5, callbacks=[probe, rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
     seen = probe.seen
@@ -332,6 +341,8 @@ class BlendFile(Callback):
         import json
 
         Path(self.out, f"blends_rank{trainer.global_rank}.json").write_text(json.dumps(self.blends))
+        scales = {n: b.tolist() for n, b in pl_module.named_buffers() if n.endswith("_scale.c")}
+        Path(self.out, f"scales_rank{trainer.global_rank}.json").write_text(json.dumps(scales))
 
 
 @pytest.mark.slow
@@ -345,13 +356,30 @@ def test_ddp_spawn_every_rank_has_the_same_blend(tmp_path):
                 enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
                 default_root_dir=tmp_path, plugins=[LNPlacement("pre", transition_steps=3, fused=False, log_report=False)],
                 callbacks=[BlendFile(str(tmp_path)), DestroyProcessGroupAtExit()])
+    unconverted = copy.deepcopy(module.model)
     t.fit(module, train_dataloaders=loader())
     ranks = [json.loads(Path(tmp_path, f"blends_rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
+    # The blend each step trained at: the held one, or 1 on an endpoint step (the same hash on every rank).
     f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()
-    assert ranks[0] == [[0, 0.0], [1, f32(1 / 3)], [2, f32(2 / 3)], [3, None], [4, None]]
+    trained = [1.0 if endpoint_step(i, 3, 0.25) else f32(i / 3) for i in range(3)]
+    assert ranks[0] == [[0, 0.0], [1, trained[1]], [2, trained[2]], [3, None], [4, None]]
     # The main process got rank 0's weights (transition over) and ended its own transition with them.
     assert transition.active(module) is None and transition.leftovers(module) == []
+    # The stream scales: the same on both ranks, and the mean over the ranks' first batches (the sampler gives
+    # rank r the samples r, r+2), computed here from the unconverted model.
+    scales = [json.loads(Path(tmp_path, f"scales_rank{r}.json").read_text()) for r in range(2)]
+    assert scales[0] == scales[1] and len(scales[0]) == 4
+    x = batch(1)
+    order = ["blocks.0.attn_scale.c", "blocks.0.mlp_scale.c", "blocks.1.attn_scale.c", "blocks.1.mlp_scale.c"]  # stream order
+    per_rank = [[dict(stream_reference(unconverted, x[r::2]).named_buffers())[k].item() for k in order] for r in range(2)]
+    ratios = [[c[i + 1] / c[i] for i in range(3)] for c in per_rank]  # each rank's sigma/|gamma| per site
+    want = [1.0]
+    for i in range(3):
+        want.append(want[-1] * (ratios[0][i] + ratios[1][i]) / 2)  # C_{k+1} = C_k x the ratio's mean over ranks
+    got = [scales[0]["model." + k] for k in order]
+    assert got[0] == 1.0 and all(abs(g - w) <= 1e-5 * w for g, w in zip(got, want)), (got, want)
+    assert per_rank[0] != per_rank[1]  # the ranks' batches differ: the reduction is what makes them agree
 
 
 def test_blend_is_logged_and_validate_uses_it(tmp_path):
@@ -396,7 +424,7 @@ def test_transition_steps_on_a_model_already_converted_is_refused(tmp_path):
     module = LM("demo")
     convert(module, "pre")
     with pytest.raises(ValueError, match="transition_steps needs the model as written"):
-        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=1).fit(
+        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False, **PLAIN), max_steps=1).fit(
             module, train_dataloaders=loader())
 
 
@@ -405,9 +433,49 @@ def test_gradient_accumulation_keeps_one_blend_per_optimizer_step(tmp_path):
     module = LM("demo")
     x = batch(1)
     dl = DataLoader(TensorDataset(torch.cat([x, x]), torch.roll(torch.cat([x, x]), -1, dims=1)), batch_size=4)
-    trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False), max_steps=3, callbacks=[rec],
-            accumulate_grad_batches=2).fit(module, train_dataloaders=dl)
+    unconverted = copy.deepcopy(module.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LNLightningWarning)  # the scales are measured (once: the first micro-batch)
+        trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False, **HELD), max_steps=3,
+                callbacks=[rec], accumulate_grad_batches=2).fit(module, train_dataloaders=dl)
     assert rec.blends == [0.0, 0.0, 0.5, 0.5, None, None]
+    reference = stream_reference(unconverted, x)
+    ref = dict(reference.named_buffers())
+    got = {n: b for n, b in module.model.named_buffers() if n.endswith("_scale.c")}
+    assert len(got) == 4 and all(abs(b.item() - ref[n].item()) <= 1e-5 * ref[n].item() for n, b in got.items())
+
+
+def test_endpoint_steps_train_at_blend_1_and_the_model_holds_the_schedule(tmp_path):
+    n, fraction = 12, 0.4
+    rec, held = BlendRecorder(), []
+
+    class Held(Callback):  # after LNPlacement's end-of-batch hook: the blend validation and checkpoints see
+        def on_train_batch_end(self, trainer, pl_module, outputs, b, batch_idx):
+            held.append(transition.get_blend(pl_module))
+
+    trainer(tmp_path, LNPlacement("pre", transition_steps=n, transition_endpoint_fraction=fraction, fused=False,
+                                  log_report=False), max_steps=n - 1, callbacks=[rec, Held()]).fit(LM("demo"), train_dataloaders=loader())
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()
+    endpoint = [endpoint_step(i, n, fraction) for i in range(n - 1)]
+    assert 2 <= sum(endpoint) <= n - 3 and not endpoint[0]  # some, never the first
+    assert rec.blends == [1.0 if e else f32(i / n) for i, e in enumerate(endpoint)]
+    assert held == [f32((i + 1) / n) for i in range(n - 1)]
+
+
+def test_stream_scales_that_cant_be_measured_fall_back_to_the_plain_blend_with_a_warning(tmp_path):
+    class TwoForwards(LM):  # two forwards in a step: a site runs twice, one scale can't describe it
+        def training_step(self, b, batch_idx):
+            return self._loss(b) + 0.0 * self._loss(b)
+
+    module = TwoForwards("demo", lr=0.0)
+    unconverted = copy.deepcopy(module.model)
+    with pytest.warns(LNLightningWarning, match="stream scales could not be measured.*ran more than once.*plain blend"):
+        trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False), max_steps=3).fit(
+            module, train_dataloaders=loader())
+    reference = copy.deepcopy(unconverted)
+    convert(reference, "pre")
+    x = batch(3)
+    assert rel(module.model.eval()(x), reference.eval()(x)) <= 1e-6  # every scale 1: plain pre-norm
 
 
 def test_bf16_blend_is_exact_at_both_ends():

@@ -39,10 +39,11 @@ def test_endpoint_steps_train_at_one_and_hold_the_schedule():
 
 
 def test_endpoint_steps_are_a_function_of_the_step_only():
-    a = [endpoint_step(i, 0.3) for i in range(1000)]
-    assert a == [endpoint_step(i, 0.3) for i in range(1000)]  # every rank, every resume, every micro-batch
-    assert a != [endpoint_step(i, 0.3, salt=1) for i in range(1000)]
-    assert not any(endpoint_step(i, 0.0) for i in range(100)) and all(endpoint_step(i, 1.0) for i in range(100))
+    a = [endpoint_step(i, 1000, 0.3) for i in range(1000)]
+    assert a == [endpoint_step(i, 1000, 0.3) for i in range(1000)]  # every rank, every resume, every micro-batch
+    assert a != [endpoint_step(i, 1000, 0.3, salt=1) for i in range(1000)]
+    assert not any(endpoint_step(i, 100, 0.0) for i in range(100)) and all(endpoint_step(i, 100, 1.0) for i in range(1, 100))
+    assert not endpoint_step(0, 100, 1.0) and not endpoint_step(100, 100, 1.0) and not endpoint_step(5, None, 1.0)
     assert abs(sum(a) / 1000 - 0.3) < 0.05
 
 

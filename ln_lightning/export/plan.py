@@ -52,6 +52,14 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
               transition: blend.Transition | None) -> dict:
     """The plan of `model`'s rewrite. `added`, `derived`: the record's (relative to `model`); `markers`: owner
     path -> marker length; `transition`: the rewrite's transition module (also when it lives outside `model`)."""
+    if transition is not None and transition.scaled:
+        raise PlacementError(
+            "the model is in a stream-scaled transition (LNPlacement's default with transition_steps), which the remote "
+            "code does not blend yet: saved now, it would load as another function. Save it once the transition has ended "
+            "(it is then the pre-norm model with its measured branch scales), or keep the Lightning checkpoint, which "
+            "resumes the transition exactly (LNPlacement(..., transition_stream_scale=False) runs the plain blend, which "
+            "exports at any point)"
+        )
     paths = {id(m): p for p, m in model.named_modules()}
     plan: dict = {"deferred": [], "hooks": [], "added": [], "markers": sorted([p, n] for p, n in markers.items()),
                   "transition": transition is not None}

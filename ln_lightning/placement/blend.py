@@ -45,11 +45,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from ln_lightning.placement import hooks
+from ln_lightning.placement.blocks import STREAM_SITE_ATTR
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.norms import norm_types
 
 ATTR = "ln_lightning_transition"  # the root's submodule, and the deferred norms' instance attribute
 _PREV_CLASS = "_ln_lightning_pre_transition_class"
+SITE_ATTR = "_ln_lightning_site"  # on a scaled site's norm: its index in the transition's scales
+FINAL_ATTR = "_ln_lightning_final"  # on an added final norm of a scaled transition: its index
 SCHEDULES = ("linear", "cosine")
 # The largest transition_steps the int64 step counter holds (and the schedule buffer stores).
 MAX_STEPS = 2**63 - 1
@@ -84,7 +87,7 @@ class Transition(nn.Module):
     blend without reading the device: it is read from the buffer once after a load.
     """
 
-    def __init__(self, steps: int | None = None, kind: str = "linear", device=None):
+    def __init__(self, steps: int | None = None, kind: str = "linear", device=None, sites: int = 0, finals: int = 0):
         super().__init__()
         self.steps = steps
         self.kind = kind
@@ -93,6 +96,19 @@ class Transition(nn.Module):
         self.register_buffer("schedule", torch.tensor([steps or -1, SCHEDULES.index(kind)], dtype=torch.int64, device=device),
                              persistent=True)
         self._host_steps: int | None = 0
+        # The stream-scaled blend (branch_scale="stream"): per site the stream scale its branch reads (C_k) and
+        # the one after it (C_{k+1}), per added final norm the one it reads (C_K); measured once, at blend 0
+        # (`begin_measurement` / `end_measurement`), then held in every checkpoint: a resume must not measure
+        # them again on weights that have moved. `scales_state`: 0 to measure, 1 measured, 2 not scaled (C = 1:
+        # the plain blend).
+        self.sites = [None] * sites  # the BranchScale of each site (its c is C_k; filled by `start`)
+        self.site_stack: list[str] = [""] * sites  # which stack each site is in (C restarts at 1 in each)
+        self.register_buffer("site_before", torch.ones(sites, dtype=torch.float32, device=device), persistent=True)
+        self.register_buffer("site_after", torch.ones(sites, dtype=torch.float32, device=device), persistent=True)
+        self.register_buffer("final_scale", torch.ones(finals, dtype=torch.float32, device=device), persistent=True)
+        self.register_buffer("scales_state", torch.tensor(0 if sites else 2, dtype=torch.int64, device=device), persistent=True)
+        self._host_scales_state: int | None = 0 if sites else 2
+        self._measuring: list | None = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         old = prefix + "start_step"
@@ -106,14 +122,21 @@ class Transition(nn.Module):
                 steps, kind = (int(v) for v in sched.tolist())
                 done = round(_fraction_of(float(blend), SCHEDULES[kind]) * steps) if steps > 0 else 0
                 state_dict[prefix + "steps_done"] = torch.tensor(done, dtype=torch.int64)
+        if prefix + "scales_state" not in state_dict and prefix + "blend" in state_dict:
+            # Written before the stream-scaled blend (ln_lightning 0.2): that transition ran the plain blend.
+            for name in ("site_before", "site_after", "final_scale"):
+                state_dict[prefix + name] = torch.ones_like(getattr(self, name))
+            state_dict[prefix + "scales_state"] = torch.tensor(2, dtype=torch.int64)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         steps, kind = (int(v) for v in self.schedule.tolist())
         self.steps, self.kind = (steps if steps > 0 else None), SCHEDULES[kind]
         self._host_steps = None
+        self._host_scales_state = None
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self._host_steps = None  # unpickled elsewhere (a spawned worker): read the buffer once
+        self._host_scales_state = None
 
     @property
     def host_steps(self) -> int:
@@ -135,10 +158,138 @@ class Transition(nn.Module):
     def extra_repr(self) -> str:
         return f"blend={float(self.blend):.4g}, steps={self.steps}, schedule={self.kind!r}"
 
+    @property
+    def scaled(self) -> bool:
+        """Whether this transition scales the stream (it has sites, and found their scales measurable)."""
+        if self._host_scales_state is None:
+            self._host_scales_state = int(self.scales_state)
+        return self._host_scales_state != 2
+
+    @property
+    def needs_measurement(self) -> bool:
+        """The stream scales are still to be measured (one device read after a load, none after)."""
+        return self.scaled and self._host_scales_state == 0
+
     # Called by hooks.DeferredNorm.forward at a deferred norm's call site (y = LN(h) computed there).
-    def call_site(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def call_site(self, h: torch.Tensor, y: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         a = self.a(h)
-        return (1 - a) * y + a * h
+        slot = None if norm is None else norm.__dict__.get(SITE_ATTR)
+        if slot is None:
+            return (1 - a) * y + a * h
+        self._record_site(slot, norm, h)
+        return (1 - a) * (_ramp(a, self.site_after[slot]) * y) + a * h
+
+    def stream_divisor(self, norm: nn.Module, like: torch.Tensor) -> torch.Tensor | None:
+        """D_k = (1-a) + a*C_k for the branch reading `norm`'s site (None: not a scaled site)."""
+        slot = norm.__dict__.get(SITE_ATTR)
+        return None if slot is None else _ramp(self.a(like), self.site_before[slot])
+
+    def final_divisor(self, final: nn.Module, like: torch.Tensor) -> torch.Tensor | None:
+        slot = final.__dict__.get(FINAL_ATTR)
+        if slot is None or not self.scaled:
+            return None
+        if self._measuring is not None and _recording():
+            self._measuring.append(("final", slot, None))
+        return _ramp(self.a(like), self.final_scale[slot])
+
+    # ------------------------------------------------------------------ measuring the stream scales
+    def begin_measurement(self) -> None:
+        """Record every site's `sigma / mean|gamma|` during the next forward (which must run at blend 0, where the
+        model computes its trained function: each site's input is then exactly the trained post-norm model's)."""
+        self._measuring = []
+
+    def _record_site(self, slot: int, norm: nn.Module, h: torch.Tensor) -> None:
+        if self._measuring is None or not _recording():
+            return
+        with torch.no_grad():
+            x = h.detach().float()
+            eps = float(getattr(norm, "eps", None) or 0.0)
+            if isinstance(norm, nn.RMSNorm):
+                sigma = (x.pow(2).mean(-1) + eps).sqrt().mean()
+            else:
+                sigma = (x.var(-1, unbiased=False) + eps).sqrt().mean()
+            w = getattr(norm, "weight", None)
+            gain = w.detach().float().abs().mean() if isinstance(w, torch.Tensor) else torch.ones((), device=x.device)
+            self._measuring.append(("site", slot, sigma / gain.clamp_min(1e-6)))
+
+    def end_measurement(self, reduce=None) -> str | None:
+        """Turn what the forward recorded into the stream scales (on the device: no host synchronisation).
+
+        `reduce`: the mean over ranks of a tensor (data parallelism: every rank gets the same scales). Returns
+        None when the scales were set, else the reason they could not be (the transition then runs the plain
+        blend: every scale 1).
+        """
+        events, self._measuring = self._measuring, None
+        if events is None:
+            return "no forward was recorded"
+        order = [slot for kind, slot, _ in events if kind == "site"]
+        counts = {slot: order.count(slot) for slot in set(order)}
+        missing = [k for k in range(len(self.sites)) if k not in counts]
+        repeated = [k for k, n in counts.items() if n != 1]
+        reason = None
+        if missing:
+            reason = f"{len(missing)} of {len(self.sites)} norm sites did not run in the first training forward"
+        elif repeated:
+            reason = (f"{len(repeated)} norm site(s) ran more than once in the first training forward (a shared layer, "
+                      "or several forwards per step); one scale per site can't describe them")
+        final_of: dict[int, int] = {}
+        last = None
+        for kind, slot, _ in events:
+            if kind == "site":
+                last = slot
+            elif last is not None:
+                final_of.setdefault(slot, last)
+        if reason is None and len(final_of) != self.final_scale.numel():
+            reason = "an added final norm did not run after the blocks in the first training forward"
+        if reason is not None:
+            self._set_plain()
+            return reason
+        ratios = torch.stack([r for kind, _, r in events if kind == "site"])
+        if reduce is not None:
+            ratios = reduce(ratios)
+        # A degenerate site (a zero or non-finite ratio) keeps scale 1 there rather than a division by zero.
+        ratios = torch.where(torch.isfinite(ratios) & (ratios > 0), ratios, torch.ones_like(ratios))
+        before = torch.ones(len(self.sites), device=ratios.device)
+        after = torch.ones(len(self.sites), device=ratios.device)
+        stacks: dict[str, list[int]] = {}
+        for pos, slot in enumerate(order):
+            stacks.setdefault(self.site_stack[slot], []).append(pos)
+        for positions in stacks.values():
+            idx = torch.tensor(positions, device=ratios.device)
+            slots = torch.tensor([order[p] for p in positions], device=ratios.device)
+            cp = torch.cumprod(ratios[idx], 0)
+            after[slots] = cp
+            before[slots] = torch.cat([torch.ones(1, device=ratios.device), cp[:-1]])
+        with torch.no_grad():
+            self.site_before.copy_(before)
+            self.site_after.copy_(after)
+            for f, site in final_of.items():
+                self.final_scale[f] = after[site]
+            for k, scale in enumerate(self.sites):
+                scale.c.copy_(before[k])
+            self.scales_state.fill_(1)
+        self._host_scales_state = 1
+        return None
+
+    def _set_plain(self) -> None:
+        with torch.no_grad():
+            for b in (self.site_before, self.site_after, self.final_scale):
+                b.fill_(1.0)
+            for scale in self.sites:
+                scale.c.fill_(1.0)
+            self.scales_state.fill_(2)
+        self._host_scales_state = 2
+
+
+def _ramp(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    # (1-a) + a*c: exactly 1 at a = 0 and exactly c at a = 1.
+    return (1 - a) + a * c.to(a.dtype)
+
+
+def _recording() -> bool:
+    # A site's statistics come from the step's forward, not from a recomputation inside backward
+    # (activation checkpointing runs the forward again there) or a no-grad evaluation.
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
 def _mix(t: Transition, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -152,7 +303,9 @@ class BlendNormalizeBranchInput(hooks.NormalizeBranchInput):
 
     def normalized(self, t: torch.Tensor) -> torch.Tensor:
         with hooks.weighted(self.norm, self.transition.blend):
-            return _mix(self.transition, t, self.norm.normalize(t))
+            y = self.norm.normalize(t)
+        d = self.transition.stream_divisor(self.norm, t)
+        return _mix(self.transition, t if d is None else t / d, y)
 
 
 class BlendNormalizeBranchOutput(hooks.NormalizeBranchOutput):
@@ -180,7 +333,8 @@ class BlendFinalNorm:
     def __call__(self, module, args, output):
         if hooks.bypassed():
             return None
-        return _mix(self.transition, args[0], output)
+        s, d = args[0], self.transition.final_divisor(module, args[0])
+        return _mix(self.transition, s if d is None else s / d, output)
 
 
 # Each hook of a rewrite and its blend-aware subclass (same attributes, plus `transition`).
@@ -194,11 +348,12 @@ _PLAIN_CLASS = {blend: plain for plain, blend in _BLEND_CLASS.items()}
 
 def _blend_sublayer(t: Transition, x, norm, branch):
     a = t.a(x)
+    d = t.stream_divisor(norm, x)
     with hooks.weighted(norm, t.blend):
-        u = (1 - a) * x + a * norm(x)
+        u = (1 - a) * (x if d is None else x / d) + a * norm(x)
     h = x + branch(u)  # the branch scale (a hook on its dropout) is the blend-aware one
     with hooks.weighted(norm, 1 - t.blend):
-        return (1 - a) * norm(h) + a * h
+        return t.call_site(h, norm(h), norm)
 
 
 class BlendEncoderLayer(nn.TransformerEncoderLayer):
@@ -279,7 +434,31 @@ def start(model: nn.Module, converted: Iterable[tuple[str, bool]], added: Iterab
     ref = next(iter(model.parameters()), None)
     if ref is None:
         ref = next(iter(model.buffers()), None)
-    t = Transition(steps, kind, device=ref.device if ref is not None and ref.device.type != "meta" else None)
+    # The stream-scaled sites (branch_scale="stream"): the deferred norms whose branch got a measured scale, in
+    # module order (the order the scales are stored in; the stream's order is read by the measuring forward).
+    sites, scales, stacks = [], [], []
+    for (path, _), block in zip(converted, blocks):
+        for m in block.modules():
+            site = m.__dict__.get(STREAM_SITE_ATTR)
+            if site is not None:
+                sites.append(site)
+                scales.append(m)
+                stacks.append(path.rpartition(".")[0])  # the container the block sits in: its stack
+    at_exits = {id(h.norm) for block in blocks for m in block.modules() for h in m._forward_hooks.values()
+                if isinstance(h, hooks.NormalizeBranchOutput)}
+    finals = []
+    for path in added:
+        try:
+            m = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(m, norm_types()) and id(m) not in at_exits:  # (branch scales: at their hooks)
+            finals.append(m)
+    t = Transition(steps, kind, device=ref.device if ref is not None and ref.device.type != "meta" else None,
+                   sites=len(sites), finals=len(finals) if sites else 0)
+    for k, m in enumerate(sites):
+        m.__dict__[SITE_ATTR] = k
+        t.sites[k], t.site_stack[k] = scales[k], stacks[k]
     for block in blocks:
         if type(block) in enc + dec:
             block.__dict__[_PREV_CLASS] = type(block)
@@ -294,16 +473,11 @@ def start(model: nn.Module, converted: Iterable[tuple[str, bool]], added: Iterab
                     if blend is not None:
                         h.__class__, h.transition = blend, t
     # Peri's added output norms are blended at their exit hooks; every other norm the conversion added is a final norm.
-    at_exits = {id(h.norm) for block in blocks for m in block.modules() for h in m._forward_hooks.values()
-                if isinstance(h, hooks.NormalizeBranchOutput)}
-    for path in added:
-        try:
-            m = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(m, norm_types()) and id(m) not in at_exits:  # (branch scales: at their hooks)
-            m.register_forward_hook(BlendFinalNorm(t))
-            m.__dict__[hooks.WEIGHT_ATTR] = t  # its normalisation weighs a (hooks.normalization_weight)
+    for f, m in enumerate(finals):
+        m.register_forward_hook(BlendFinalNorm(t))
+        m.__dict__[hooks.WEIGHT_ATTR] = t  # its normalisation weighs a (hooks.normalization_weight)
+        if sites:
+            m.__dict__[FINAL_ATTR] = f
     model.add_module(ATTR, t)
     return t
 
@@ -319,6 +493,8 @@ def finish(model: nn.Module) -> None:
     for m in model.modules():
         if m.__dict__.get(ATTR) is t:
             del m.__dict__[ATTR]
+        m.__dict__.pop(SITE_ATTR, None)
+        m.__dict__.pop(FINAL_ATTR, None)
         if m.__dict__.get(hooks.WEIGHT_ATTR) is t:
             del m.__dict__[hooks.WEIGHT_ATTR]
         prev = m.__dict__.pop(_PREV_CLASS, None)
@@ -347,6 +523,7 @@ def leftovers(model: nn.Module) -> list[str]:
         blend_hooks = [h for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()
                        if isinstance(h, (*_PLAIN_CLASS, BlendFinalNorm))]
         if (ATTR in m.__dict__ or _PREV_CLASS in m.__dict__ or hooks.WEIGHT_ATTR in m.__dict__
+                or SITE_ATTR in m.__dict__ or FINAL_ATTR in m.__dict__
                 or isinstance(m, (Transition, BlendEncoderLayer, BlendDecoderLayer))
                 or blend_hooks):
             out.append(path or "<root>")

@@ -29,6 +29,9 @@ from ln_lightning.placement.report import BlockInfo, SublayerInfo
 from ln_lightning.placement.scale import BranchScale
 
 
+STREAM_SITE_ATTR = "ln_lightning_stream_site"  # on a branch_scale="stream" BranchScale: the norm its branch reads
+
+
 class ScaleFactory:
     """Makes the BranchScale for one sublayer, or None (no scaling)."""
 
@@ -42,6 +45,8 @@ class ScaleFactory:
             self.value = depth_scale(depth)
         elif kind == "layerscale":
             self.value = layerscale_init if layerscale_init is not None else layerscale_init_for_depth(depth)
+        elif kind == "stream":
+            self.value = 1.0  # until a transition measures it (placement/blend.py: the stream-scaled blend)
         else:
             self.value = float(kind)
 
@@ -54,7 +59,14 @@ class ScaleFactory:
         dim = norm_width(norm)
         device = w.device if w is not None else None
         dtype = w.dtype if w is not None else None
-        return BranchScale(self.value, dim=dim, learnable=self.kind == "layerscale", device=device, dtype=dtype)
+        scale = BranchScale(self.value, dim=dim, learnable=self.kind == "layerscale", device=device, dtype=dtype,
+                            measured=self.kind == "stream")
+        if self.kind == "stream":
+            # The site whose stream this branch reads: the transition measures the scale there. An instance
+            # attribute, not a submodule (no state_dict key, no second path to the norm; a copy of the norm, as
+            # an added final norm is, carries nothing of it).
+            scale.__dict__[STREAM_SITE_ATTR] = norm
+        return scale
 
 
 def required_as_none(block: nn.Module) -> dict:

@@ -123,7 +123,7 @@ class DeferredNorm:
         if t is not None:  # a real normalisation (weighted 1-a): through normalize, so hooks and monitors see it
             with weighted(self, 1 - t.blend):
                 y = self.normalize(x) if not args and not kwargs else super().forward(x, *args, **kwargs)
-            return t.call_site(x, y)
+            return t.call_site(x, y, self)
         return x
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ _PLACEMENT_HELP = (
     "'pre' (x + F(N(x))), 'post' (N(x + F(x))), 'peri' (x + N_out(F(N(x))), Peri-LN / Gemma's sandwich), "
     "'output' (x + N(F(x)), OLMo 2) and 'mix' (Mix-LN: the first mix_post_blocks blocks of each stack post, the rest pre)"
 )
-BRANCH_SCALES = "None, a positive float c, 'depth' (c = 1/sqrt(2L)) or 'layerscale'"
+BRANCH_SCALES = ("None, a positive float c, 'depth' (c = 1/sqrt(2L)), 'layerscale' or 'stream' (per-branch constants a "
+                 "transition measures from the trained model)")
 
 
 def validate_options(placement="pre", *, final_norm=True, branch_scale=None, strict=False, layerscale_init=None, mix_post_blocks=None) -> None:
@@ -29,7 +30,7 @@ def validate_options(placement="pre", *, final_norm=True, branch_scale=None, str
         raise PlacementError(f"strict must be True or False, got {strict!r}")
     if branch_scale is not None:
         if isinstance(branch_scale, str):
-            if branch_scale not in ("depth", "layerscale"):
+            if branch_scale not in ("depth", "layerscale", "stream"):
                 raise PlacementError(f"unknown branch_scale {branch_scale!r}; valid values are {BRANCH_SCALES}")
         elif isinstance(branch_scale, bool) or not isinstance(branch_scale, (int, float)) or not math.isfinite(branch_scale) or branch_scale <= 0:
             raise PlacementError(f"branch_scale={branch_scale!r} is not valid; valid values are {BRANCH_SCALES}")

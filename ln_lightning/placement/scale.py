@@ -26,10 +26,13 @@ class BranchScale(nn.Module):
     """Multiplies a branch's output by a constant (`learnable=False`) or a learnable per-channel vector.
 
     The constant is a non-persistent buffer: it follows `.to()` and dtype casts but adds no
-    state_dict key. The learnable form has one parameter, `gamma`, of shape `(dim,)`.
+    state_dict key (the configuration gives its value). `measured=True` (branch_scale="stream": a value a
+    transition measures from the trained model, which no configuration holds) makes it persistent, so every
+    checkpoint and saved model carries it. The learnable form has one parameter, `gamma`, of shape `(dim,)`.
     """
 
-    def __init__(self, value: float, dim: int | None = None, learnable: bool = False, device=None, dtype=None):
+    def __init__(self, value: float, dim: int | None = None, learnable: bool = False, device=None, dtype=None,
+                 measured: bool = False):
         super().__init__()
         self.learnable = learnable
         if learnable:
@@ -37,7 +40,7 @@ class BranchScale(nn.Module):
                 raise ValueError("a learnable branch scale needs the channel dimension")
             self.gamma = nn.Parameter(torch.full((dim,), float(value), device=device, dtype=dtype))
         else:
-            self.register_buffer("c", torch.tensor(float(value), device=device, dtype=dtype), persistent=False)
+            self.register_buffer("c", torch.tensor(float(value), device=device, dtype=dtype), persistent=measured)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * (self.gamma if self.learnable else self.c)

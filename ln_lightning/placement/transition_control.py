@@ -76,8 +76,12 @@ class FunctionSpeedSchedule:
         return cls(state["blends"], state["cum"])
 
 
-def endpoint_step(i: int, fraction: float, salt: int = 0) -> bool:
-    """Whether optimizer step `i` is an endpoint step: a hash of (i, salt) below `fraction` (splitmix64)."""
+def endpoint_step(i: int, steps: int | None, fraction: float, salt: int = 0) -> bool:
+    """Whether optimizer step `i` (0-based) of a transition of `steps` is an endpoint step: never the first (it
+    trains the trained function, as the transition promises) nor past the end; else a hash of (i, salt) below
+    `fraction` (splitmix64)."""
+    if steps is None or not 1 <= i < steps:
+        return False
     if fraction <= 0:
         return False
     if fraction >= 1:
@@ -121,7 +125,7 @@ class BlendPlan:
 
     def is_endpoint_step(self, i: int) -> bool:
         # never the first step: it trains at the trained function, as the transition promises
-        return 1 <= i < self.steps and endpoint_step(i, self.endpoint_fraction, self.salt)
+        return endpoint_step(i, self.steps, self.endpoint_fraction, self.salt)
 
     def trained(self, i: int) -> float:
         return 1.0 if self.is_endpoint_step(i) else self.held(i)
