@@ -152,10 +152,26 @@ def arms(hp: dict) -> dict:
            f"plugin_{long}": {"kind": "plugin", "transition_steps": long},
            # the plugin's plain blend (its default before issue 20's study): transition_stream_scale=False, no endpoint steps
            f"plugin_plain_{T}": {"kind": "plugin", "transition_steps": T,
-                                 "options": {"transition_stream_scale": False, "transition_endpoint_fraction": 0.0}}}
+                                 "options": {"transition_stream_scale": False, "transition_endpoint_fraction": 0.0,
+                                             "transition_distill": 0.0}}}
     for name, m in methods(hp).items():
         out[name] = {"kind": "method", "method": m}
     return out
+
+
+def _plugin_teacher_steps(plugin) -> int:
+    """The steps in which LNPlacement's transition runs its teacher forward (transition_distill > 0)."""
+    if plugin is None or not plugin.transition_steps or not plugin.transition_distill:
+        return 0
+    return plugin.transition_steps
+
+
+def _steps_within(budget_units: float, teacher_steps: int) -> int:
+    """The most steps whose forward and backward, plus a teacher forward in the first `teacher_steps`, fit the budget."""
+    from migrate_trained_methods import UNITS_BWD, UNITS_FWD
+
+    steps = int((budget_units - UNITS_FWD * teacher_steps) // (UNITS_FWD + UNITS_BWD))
+    return steps if steps >= teacher_steps else int(budget_units // (UNITS_FWD + UNITS_BWD + UNITS_FWD))
 
 
 def run_name(job: str, seed: int) -> str:
@@ -261,9 +277,17 @@ def train_one(job: str, seed: int, hp: dict, out: Path) -> dict:
             if self.start is None:
                 self.start = step
             self.batch_sum.append(int(batch[0].sum()))
-            self.blend.append(transition.get_blend(pl_module))  # the plugin (first callback) has set this step's
+            # The plugin (the first callback) has set the blend this step trains at: 1 on its endpoint steps. The
+            # model holds the scheduled one (what a validation or a checkpoint between steps sees): evaluate that.
+            t = transition.active(pl_module)
+            trains_at = None if t is None else t.blend.clone()
+            if t is not None and t.steps and plugin is not None:
+                t.blend.fill_(transition.schedule(t.host_steps / t.steps, t.kind))
+            self.blend.append(transition.get_blend(pl_module))
             if (step - self.start) % hp["eval_every"] == 0:
                 self.evals.append((step, heldout_loss(pl_module, self.eval_x, self.eval_y)))
+            if trains_at is not None:
+                t.blend.copy_(trains_at)
             self._t = time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -296,6 +320,9 @@ def train_one(job: str, seed: int, hp: dict, out: Path) -> dict:
         if spec["kind"] == "plugin":
             kw = {} if spec["transition_steps"] is None else {"transition_steps": spec["transition_steps"], **spec.get("options", {})}
             plugin = LNPlacement("pre", resume_unconverted=True, log_report=False, **kw)
+            teacher_steps = _plugin_teacher_steps(plugin)
+            if teacher_steps:  # its distillation runs a teacher forward per transition step: fewer steps fit the budget
+                max_steps = hp["pretrain"] + _steps_within(budget_units, teacher_steps)
         elif spec["kind"] == "method":
             # after the Probe: the Probe evaluates the blend the model holds, then the method sets the one it trains at
             migration = make_callback(spec["method"], probe_x, budget_units, hp["batch_size"])
@@ -334,8 +361,8 @@ def train_one(job: str, seed: int, hp: dict, out: Path) -> dict:
         units = 3.0 * n
     elif migration is not None:
         units = migration.units
-    else:  # the plugin's arms: one forward and backward per step (its transition adds no pass)
-        units = 3.0 * n
+    else:  # the plugin's arms: one forward and backward per step, and a teacher forward per transition step
+        units = 3.0 * n + UNITS_FWD * min(n, _plugin_teacher_steps(plugin))
     return {
         "job": job, "seed": seed, "start_step": start, "steps": n,
         "loss": probe.loss, "batch_sum": probe.batch_sum, "step_cpu": probe.step_cpu, "blend": probe.blend, "evals": probe.evals,

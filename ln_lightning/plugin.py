@@ -34,6 +34,8 @@ from lightning.pytorch.strategies import (
 from torch import nn
 
 from ln_lightning import _lightning_patch
+from ln_lightning._distill import CHECKPOINT_KEY as DISTILL_KEY
+from ln_lightning._distill import Distillation
 from ln_lightning._warnings import info, warn
 from ln_lightning.checkpoint import CHECKPOINT_KEY, build_model, placement_record, read_checkpoint, remap_optimizer_states
 from ln_lightning.norm import FusedLayerNorm
@@ -126,6 +128,14 @@ class LNPlacement(LayerSync, Callback):
             train at blend 1, the function the transition ends at, while the model holds the scheduled blend
             between steps (what validation and checkpoints see). Picked by a hash of the step index: the same on
             every rank, under accumulation and after a resume. Default 0.25; 0 trains every step at the held blend.
+        transition_distill: the weight of ``KL(trained || model)`` added to the loss ``training_step`` returns while
+            the transition runs (0 turns it off). The trained function is a frozen copy of the model taken at the
+            transition's start (blend 0), run on the inputs of each ``self(...)`` call in ``training_step``; its
+            output's predictions (a tensor, ``logits``, or a tuple's first element) are compared over the last
+            dimension. It costs a copy of the weights and one forward of it per training forward, during the
+            transition only, and its weights go into the transition's checkpoints (a resume distils towards the
+            same function). Under manual optimisation, a sharded strategy (FSDP, ModelParallelStrategy) or an
+            output without predictions, the transition runs without it and a warning says why.
 
     A model that is already rewritten (by an earlier ``LNPlacement`` or by ``convert``) is trained as it
     is when this ``LNPlacement`` asks for the same function (the configuration the model computes is what
@@ -171,6 +181,7 @@ class LNPlacement(LayerSync, Callback):
         transition_schedule: str = "linear",
         transition_stream_scale: bool = True,
         transition_endpoint_fraction: float = 0.25,
+        transition_distill: float = 1.0,
         mix_post_blocks: int | None = None,
     ):
         for name, value in (("final_norm", final_norm), ("fused", fused), ("strict", strict),
@@ -209,6 +220,10 @@ class LNPlacement(LayerSync, Callback):
         if self.stream_scaled:
             branch_scale = "stream"
         self.transition_endpoint_fraction = float(transition_endpoint_fraction)
+        if (isinstance(transition_distill, bool) or not isinstance(transition_distill, (int, float))
+                or not 0.0 <= transition_distill < float("inf")):
+            raise ValueError(f"LNPlacement: transition_distill must be a finite number >= 0 (0: off), got {transition_distill!r}.")
+        self.transition_distill = float(transition_distill)
         _lightning_patch.install()
         self.transition_steps = transition_steps
         self.transition_schedule = transition_schedule
@@ -417,12 +432,15 @@ class LNPlacement(LayerSync, Callback):
     def _end_run(self, pl_module: LightningModule | None) -> None:
         """Let go of everything this Trainer call set up (after teardown, or after an exception)."""
         self._close_load()
+        if self._run is not None and self._run.distill is not None:
+            self._run.distill.stop()
         self._run = None
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         # After the model's weights (the guard has done its work), before the optimizer states are restored.
         if self._run is not None:
             self._run.checkpoint = checkpoint
+            self._run.teacher_state = checkpoint.get(DISTILL_KEY)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After configure_optimizers and the checkpoint's weights, before Lightning restores the optimizer states.
@@ -469,6 +487,14 @@ class LNPlacement(LayerSync, Callback):
         if done == 0 and t.needs_measurement and not self._run.measured:
             t.begin_measurement()  # this forward runs at blend 0: the trained function's own statistics
             self._run.measuring = True
+        if self.transition_distill > 0 and self._run.distill is None:
+            run = self._run
+            run.distill = Distillation(self.transition_distill)
+            run.distill.saved_state = run.teacher_state
+            reason = run.distill.start(trainer, pl_module, done)
+            if reason is not None:
+                run.distill.off_reason = reason
+                self._warn_no_distillation(trainer, reason)
         if endpoint_step(done, t.steps, self.transition_endpoint_fraction):
             t.blend.fill_(1.0)  # this step trains the function the transition ends at (every micro-batch of it)
 
@@ -484,6 +510,9 @@ class LNPlacement(LayerSync, Callback):
         t = None if state is None else state.transition
         if t is not None and run.measuring:
             self._end_measurement(trainer, t)
+        if run.distill is not None and run.distill.active and run.distill.off_reason is not None:
+            run.distill.stop()
+            self._warn_no_distillation(trainer, run.distill.off_reason)
         if not run.stepped:
             if t is not None and self.transition_steps is not None:
                 t.blend.fill_(transition.schedule(t.host_steps / t.steps, t.kind))  # held between micro-batches
@@ -492,8 +521,16 @@ class LNPlacement(LayerSync, Callback):
         if t is None or self.transition_steps is None:
             return
         if state.advance(pl_module) >= 1.0:
+            if run.distill is not None:
+                run.distill.stop()  # the teacher's memory goes back
             info(log, f"LNPlacement: transition to {self.placement}-norm finished after {self.transition_steps} steps; the "
                  f"model is now exactly its {self.placement}-norm rewrite.")
+
+    @staticmethod
+    def _warn_no_distillation(trainer: Trainer, reason: str) -> None:
+        if trainer.is_global_zero:
+            warn(f"LNPlacement: the transition runs without distillation towards the trained function: {reason}. "
+                 "Pass transition_distill=0 to ask for that and silence this.")
 
     def _end_measurement(self, trainer: Trainer, t) -> None:
         self._run.measuring, self._run.measured = False, True
@@ -580,6 +617,9 @@ class LNPlacement(LayerSync, Callback):
         state = rewrite_state.of(pl_module)
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state.checkpoint_entry(pl_module, report=self.report)
+        distill = None if self._run is None else self._run.distill
+        if state is not None and state.transition is not None and distill is not None and distill.active:
+            checkpoint[DISTILL_KEY] = distill.checkpoint_state()
 
     # ------------------------------------------------------------------ LayerSync (DDP / FSDP strategies)
     def apply(self, model: nn.Module) -> nn.Module:
@@ -612,6 +652,8 @@ class _Run:
         self.stepped = False  # an optimizer stepped in the current training batch
         self.measuring = False  # the stream scales are being recorded in this batch's forward
         self.measured = False  # ... and were, in this run
+        self.distill: Distillation | None = None  # the transition's distillation (transition_distill)
+        self.teacher_state: dict | None = None  # the teacher the ckpt_path checkpoint holds
 
 
 def load_converted(

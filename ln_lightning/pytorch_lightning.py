@@ -39,6 +39,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 # The modules that import Lightning classes, and the callbacks modules they import (the rest of the package is
 # Lightning-free and shared).
 _CLONED = frozenset({
+    "_distill",
     "_lightning_patch",
     "checkpoint",
     "plugin",

@@ -358,7 +358,8 @@ def test_the_transition_advances_once_per_batch_that_steps_under_manual_optimisa
     t = Trainer(accelerator="cpu", devices=1, max_epochs=6, logger=False, enable_progress_bar=False,
                 enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
                 plugins=[LNPlacement("pre", transition_steps=4, fused=False, log_report=False, **HELD)], callbacks=[clock])
-    t.fit(module, train_dataloaders=loader())
+    with pytest.warns(LNLightningWarning, match="without distillation.*automatic optimisation"):
+        t.fit(module, train_dataloaders=loader())
     # Batches 0, 1, 3, 4 step (both optimizers: one step of the transition each); 2 and 5 step neither (Lightning's
     # batches-that-stepped counter counts every batch under manual optimisation, so it can't be the clock here).
     assert clock.blends == [0.0, 0.25, 0.5, 0.5, 0.75, None]  # k/N after k stepping batches; ended at the 4th

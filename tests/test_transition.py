@@ -221,6 +221,7 @@ def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
     trainer(tmp_path / "b", plugin(), max_steps=n // 2, callbacks=[ckpt]).fit(first, train_dataloaders=loader())
     path = next((tmp_path / "ck").glob("*step=2*.ckpt"))
     saved = torch.load(path, weights_only=False)
+    assert "ln_lightning_teacher" in saved  # the distillation's trained function: the resumed run distils towards it
     # After 2 of 4 steps: 2 steps done, and the blend the next step runs with.
     assert saved["state_dict"]["ln_lightning_transition.steps_done"].item() == 2
     assert saved["state_dict"]["ln_lightning_transition.blend"].item() == 0.5
@@ -578,3 +579,74 @@ def test_stream_monitor_sees_the_transition(tmp_path):
     assert len(rms) == 4
     # Blend 0: the block's output is its LayerNorm's (weight 1, bias 0): rms 1. Pre-norm after step 2: the raw stream.
     assert abs(rms[0] - 1.0) < 1e-3 and abs(rms[3] - 1.0) > 1e-2 and rms[1] != rms[0]
+
+
+# ---------------------------------------------------------------------------------------------- distillation
+class KLRecorder(Callback):
+    def __init__(self):
+        self.kl, self.loss = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, b, batch_idx):
+        kl = trainer.callback_metrics.get("ln_placement/distill_kl")
+        self.kl.append(None if kl is None else float(kl))
+        self.loss.append(float(outputs["loss"]))
+
+
+def test_distillation_adds_the_kl_to_the_trained_function_to_the_loss(tmp_path):
+    n, w = 4, 0.7
+    module = LM("demo", lr=0.0)  # the weights stay: the model at step i is the blend i/n of the trained function
+    unconverted = copy.deepcopy(module.model)
+    rec = KLRecorder()
+    trainer(tmp_path, LNPlacement("pre", transition_steps=n, transition_distill=w, fused=False, log_report=False, **PLAIN),
+            max_steps=n + 1, callbacks=[rec]).fit(module, train_dataloaders=loader())
+    x = batch(1)
+    with torch.no_grad():
+        teacher = F.log_softmax(unconverted(x).double(), -1)
+        for i in range(n):  # an independent reference of the blend (the plain blend: transition.begin on a copy)
+            ref = copy.deepcopy(unconverted)
+            transition.begin(ref, "pre")
+            transition.set_blend(ref, i / n)
+            student = F.log_softmax(ref(x).double(), -1)
+            kl = F.kl_div(student.reshape(-1, 64), teacher.reshape(-1, 64), log_target=True, reduction="batchmean").item()
+            assert abs(rec.kl[i] - kl) <= 1e-5 + 1e-4 * kl, (i, rec.kl[i], kl)
+            assert abs(rec.loss[i] - (module.losses[i] + w * rec.kl[i])) <= 1e-5  # the user's loss + w * KL
+    assert rec.kl[0] <= 1e-7 and rec.kl[n - 1] > 1e-4
+    assert rec.loss[n] == pytest.approx(module.losses[n])  # after the transition: the user's loss alone
+    assert "training_step" not in vars(module) and not module._forward_hooks  # nothing left behind
+
+
+def test_distillation_is_skipped_with_a_reason_where_it_cant_run(tmp_path):
+    class NoLogits(LM):  # forward returns something without predictions to compare
+        def forward(self, x):
+            return {"hidden": super().forward(x)}
+
+        def _logits_and_loss(self, b):
+            x, y = b
+            logits = self(x)["hidden"]
+            return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    with pytest.warns(LNLightningWarning, match="without distillation.*no predictions to compare"):
+        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=2).fit(
+            NoLogits("demo"), train_dataloaders=loader())
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_stream_scaled_blend_without_a_trainer_is_exact_at_both_ends(kind):
+    model = make(kind)
+    unconverted = copy.deepcopy(model)
+    x, probe = batch(3), batch(1)
+    with torch.no_grad():
+        post = model(x)
+    transition.begin(model, "pre", branch_scale="stream")
+    assert transition.measure_stream_scales(model, lambda: model(probe)) is None
+    with torch.no_grad():
+        assert torch.equal(model(x), post)  # a = 0: bit for bit the trained function
+        transition.set_blend(model, 1.0)
+        at_one = model(x)
+    reference = stream_reference(unconverted, probe)  # the constants computed independently
+    with torch.no_grad():
+        assert rel(at_one, reference(x)) <= 1e-6
+        transition.finish(model)
+        assert torch.equal(model(x), at_one) and transition.leftovers(model) == []
+    with pytest.raises(PlacementError, match="not in a stream-scaled transition"):
+        transition.measure_stream_scales(model, lambda: model(probe))

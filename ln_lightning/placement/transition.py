@@ -36,7 +36,25 @@ Usage without a Trainer::
         ...train...
     transition.finish(model)                                   # plain pre-norm from here on
 
-With a Trainer: `LNPlacement(placement, transition_steps=N, transition_schedule="linear"|"cosine")`.
+With a Trainer: `LNPlacement(placement, transition_steps=N, transition_schedule="linear"|"cosine")`, which by
+default also scales the stream (below), trains a quarter of the steps at blend 1 and distils towards the trained
+function (`transition_stream_scale`, `transition_endpoint_fraction`, `transition_distill`).
+
+The stream-scaled blend (`branch_scale="stream"`, post-norm to "pre" or "mix"): a post-norm model divides its
+stream by every norm's scale, so an older branch weighs less than a newer one; a plain pre-norm stream only adds.
+Branch k gets the constant `C_k = prod sigma_i / |gamma_i|` over the norms before it in its stack (measured once,
+at blend 0: `measure_stream_scales`), and with `D = (1-a) + a*C` each place computes
+
+    u = (1-a) * x / D_k + a * LN(x)        at the branch's entries
+    h = x + D_k * F(u)                     (the branch scale ramps from 1 to C_k)
+    out = (1-a) * D_{k+1} * LN(h) + a * h  at the norm's call site
+    fin = (1-a) * s / D_K + a * LN_f(s)    at an added final norm
+
+exact at both ends as above: at a = 1 it is `convert(model, "pre", branch_scale="stream")` with the measured
+constants (persistent buffers). Without a Trainer::
+
+    transition.begin(model, "pre", branch_scale="stream")
+    transition.measure_stream_scales(model, lambda: model(batch))
 
 State: the transition is part of the model's rewrite state (``ln_lightning.placement.state``): the blend,
 the optimizer steps done and the schedule are persistent buffers of ``root.ln_lightning_transition``, so a
@@ -49,6 +67,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ln_lightning.placement import state as rewrite_state
@@ -95,6 +114,26 @@ def begin(model: nn.Module, placement: str = "pre", *, steps: int | None = None,
     report = convert(model, placement, **convert_options)
     start(model, report, steps=steps, schedule_kind=schedule_kind)
     return report
+
+
+def measure_stream_scales(model: nn.Module, run, reduce=None) -> str | None:
+    """Measure a stream-scaled transition's branch constants (``begin(model, "pre", branch_scale="stream")``)
+    on one forward, `run()` (e.g. ``lambda: model(batch)``), at blend 0: each branch gets ``C_k = prod sigma_i /
+    |gamma_i|`` of the norms before it in its stack. `reduce`: the mean over ranks of a tensor, under data
+    parallelism. Returns None, or the reason the scales could not be measured (the transition then runs the
+    plain blend). LNPlacement does this on the first training batch.
+    """
+    t = active(model)
+    if t is None or not t.scaled:
+        raise PlacementError("measure_stream_scales: the model is not in a stream-scaled transition; start one with "
+                             "transition.begin(model, 'pre', branch_scale='stream')")
+    if float(t.blend) != 0.0:
+        raise PlacementError("measure_stream_scales: the scales are measured at blend 0, where the model computes its "
+                             f"trained function; the blend is {float(t.blend):.4g}")
+    t.begin_measurement()
+    with torch.enable_grad():  # the recording skips no-grad forwards (evaluations) and recomputations in backward
+        run()
+    return t.end_measurement(reduce)
 
 
 def check_target(placement: str) -> None:
@@ -160,4 +199,4 @@ def check_schedule(t: Transition, steps: int, kind: str) -> None:
 
 
 __all__ = ["ATTR", "MAX_STEPS", "SCHEDULES", "TARGETS", "Transition", "active", "begin", "check_schedule", "check_target",
-           "finish", "get_blend", "leftovers", "schedule", "set_blend", "start"]
+           "finish", "get_blend", "leftovers", "measure_stream_scales", "schedule", "set_blend", "start"]

@@ -1,0 +1,110 @@
+"""LNPlacement's distillation while a transition blends: the Lightning side of ``placement.teacher``.
+
+The term ``weight * KL(trained || model)`` on the LightningModule's own output is added to the loss its
+``training_step`` returns, so Lightning's own handling of that loss (division under gradient accumulation,
+the mixed-precision scaler, the logged loss is the user's own) applies to it unchanged. What it takes:
+
+* automatic optimisation (under manual optimisation the plugin never sees the loss before its backward);
+* a ``training_step`` that calls the LightningModule itself (``self(x)``): the teacher sees the same inputs
+  through a forward hook on it, and the output's predictions (a tensor, ``logits``, or a tuple's first);
+* a model each rank holds whole (one device, DDP): a sharded model's copy would not run on its own.
+
+Where one of these fails, fitting goes on without distillation and a warning says why. The teacher's weights
+go into every checkpoint written during the transition (``checkpoint["ln_lightning_teacher"]``), so a resumed
+run distils towards the same function as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+from ln_lightning.placement import blend
+from ln_lightning.placement.teacher import frozen_copy, kl_to_teacher, logits_of
+
+CHECKPOINT_KEY = "ln_lightning_teacher"
+_STEP = "training_step"
+
+
+class Distillation:
+    """One transition's distillation in one Trainer call (built by LNPlacement at the first training batch)."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+        self.teacher: torch.nn.Module | None = None
+        self.saved_state: dict | None = None  # the teacher of the checkpoint this run resumed from
+        self.off_reason: str | None = None
+        self._pending: list[torch.Tensor] = []
+        self._handle = None
+        self._module: LightningModule | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.teacher is not None
+
+    def start(self, trainer: Trainer, pl_module: LightningModule, steps_done: int) -> str | None:
+        """Build the teacher and hook the module; the reason it can't, else None."""
+        if not pl_module.automatic_optimization:
+            return "it needs automatic optimisation (the loss passes through LNPlacement only then)"
+        if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+            return f"the model is sharded under {type(trainer.strategy).__name__} (the teacher is a whole copy of it)"
+        if steps_done > 0 and self.saved_state is None:
+            return ("the transition is past its start and the checkpoint holds no teacher (written without "
+                    "distillation): the trained function it started from is not in it")
+        teacher = frozen_copy(pl_module)
+        if self.saved_state is not None:
+            teacher.load_state_dict(self.saved_state)
+            blend.active(teacher).set_progress(0, 0.0)
+        self.teacher, self.saved_state, self._module = teacher, None, pl_module
+        self._handle = pl_module.register_forward_hook(self._on_forward, with_kwargs=True)
+        step = type(pl_module).training_step.__get__(pl_module) if _STEP not in pl_module.__dict__ else pl_module.__dict__[_STEP]
+        self._original_step = step
+        pl_module.__dict__[_STEP] = self._training_step
+        return None
+
+    def stop(self) -> None:
+        """Drop the teacher and the hooks (the transition ended, or the Trainer call did)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._module is not None and self._module.__dict__.get(_STEP) == self._training_step:
+            del self._module.__dict__[_STEP]
+        self._module, self.teacher, self._pending = None, None, []
+
+    def checkpoint_state(self) -> dict | None:
+        return None if self.teacher is None else {k: v.detach().clone() for k, v in self.teacher.state_dict().items()}
+
+    # ------------------------------------------------------------------ per step
+    def _on_forward(self, module, args, kwargs, output):
+        if self.teacher is None or not module.training or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return None
+        student = logits_of(output)
+        with torch.no_grad():
+            taught = logits_of(self.teacher(*args, **kwargs))
+        if student is None or taught is None or student.shape != taught.shape:
+            self.off_reason = (f"the LightningModule's output has no predictions to compare (a tensor, `logits` or a "
+                               f"tuple's first element of the same shape in both: got {type(output).__name__})")
+            return None
+        self._pending.append(kl_to_teacher(student, taught))
+        return None
+
+    def _training_step(self, *args: Any, **kwargs: Any):
+        out = self._original_step(*args, **kwargs)
+        pending, self._pending = self._pending, []
+        if not pending or out is None:
+            return out
+        kl = torch.stack(pending).mean()
+        self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)
+        term = self.weight * kl
+        if isinstance(out, torch.Tensor):
+            return out + term
+        if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+            return {**out, "loss": out["loss"] + term}
+        self.off_reason = f"training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'"
+        return out
+
+
+__all__ = ["CHECKPOINT_KEY", "Distillation"]

@@ -1,0 +1,85 @@
+"""Distillation towards the trained function while a transition blends (LNPlacement's ``transition_distill``).
+
+Measured on a trained 12-layer post-norm LM (examples/migrate_trained.py, issue 20): a transition that also
+minimises KL(trained || model) on each training batch follows the function it starts from more closely, and
+its held-out loss stays within noise where the blend alone rises at its end. The *teacher* is the trained
+function: a frozen copy of the model taken when the transition starts, at blend 0 (bit for bit the function it
+was trained with).
+
+Cost: one copy of the weights (no gradients, no optimizer state), and one forward of it per training forward
+while the transition runs (eval mode: no dropout, no random numbers drawn); dropped when the transition ends.
+
+The copy keeps the rewrite's own hooks (the blend at 0 needs them) and drops every other hook (a monitor on a
+norm must not record the teacher's forward); a user hook that changes a module's output is therefore not in the
+teacher's function, only in the model's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ln_lightning.placement import blend
+
+
+def _ours(hook: Any) -> bool:
+    owner = getattr(hook, "__self__", hook)  # a bound method (TapStream.tap): its object's class
+    return type(owner).__module__.startswith("ln_lightning.placement.")
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A frozen copy of `model` (in a transition) that computes its blend-0 function: the trained one."""
+    trainer = model.__dict__.get("_trainer")
+    if trainer is not None:
+        model._trainer = None  # a LightningModule: the Trainer is not part of the function
+    try:
+        teacher = copy.deepcopy(model)
+    finally:
+        if trainer is not None:
+            model._trainer = trainer
+    for m in teacher.modules():
+        for hooks_of in (m._forward_pre_hooks, m._forward_hooks):
+            for key in [k for k, h in hooks_of.items() if not _ours(h)]:
+                del hooks_of[key]
+                m._forward_hooks_with_kwargs.pop(key, None)
+                m._forward_pre_hooks_with_kwargs.pop(key, None)
+                getattr(m, "_forward_hooks_always_called", {}).pop(key, None)
+        for name in ("_ln_pre_hooks", "_ln_post_hooks"):  # hooks registered on a deferred norm (hooks.DeferredNorm)
+            if isinstance(m.__dict__.get(name), dict):
+                m.__dict__[name].clear()
+    t = blend.active(teacher)
+    if t is None:
+        raise RuntimeError("frozen_copy: the model is not in a transition")
+    t.set_progress(0, 0.0)
+    t._measuring = None
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def logits_of(output: Any) -> torch.Tensor | None:
+    """The tensor a model's output predicts with: the output itself, its ``logits`` (a Hugging Face ModelOutput
+    or a dict), or the first element of a tuple; None if there is none."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):  # (ModelOutput is a dict)
+        v = output.get("logits")
+        return v if isinstance(v, torch.Tensor) else None
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def kl_to_teacher(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of the distributions over the last dimension, per position, averaged (0-dim)."""
+    t = F.log_softmax(teacher.detach().reshape(-1, teacher.size(-1)).float(), -1)
+    s = F.log_softmax(student.reshape(-1, student.size(-1)).float(), -1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+__all__ = ["frozen_copy", "kl_to_teacher", "logits_of"]
