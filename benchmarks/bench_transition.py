@@ -1,15 +1,18 @@
 """Step time during the post->pre transition against plain pre-norm, measured side by side.
 
-Three copies of one model with the same weights: (1) in the transition at blend 0.5 (every blend term
-computed), (2) plain `convert(model, "pre")`, (3) the transition model after `finish`. A training step is
-forward + backward + AdamW step on the same batch. The arms alternate in short blocks in one process, so
-load from other processes hits them alike; each arm's block is compared with the plain arm's neighbouring
-blocks and the median of those paired ratios is reported (robust on a shared machine).
+Copies of one model with the same weights: plain `convert(model, "pre")` (the reference), the plain blend
+at 0.5, the stream-scaled blend at 0.5 (LNPlacement's default, `branch_scale="stream"`), the same with the
+teacher forward and KL term of `transition_distill` (the default step during a transition), and the
+stream-scaled model after `finish` (pre-norm with its branch scales: the step after the transition). A training
+step is forward + backward + AdamW step on the same batch. The arms alternate in short blocks in one process,
+each block between two blocks of the plain pre-norm arm, so load from other processes hits them alike; the
+median of the paired ratios is reported (robust on a shared machine).
 
 Run:
     python benchmarks/bench_transition.py            # demo LM (4 x 128) and nn.TransformerEncoder, 20 blocks
     python benchmarks/bench_transition.py --quick    # smaller models, 6 blocks (smoke test)
-Expectation: transition / pre a little above 1 (two cheap extra norms per sublayer); finished / pre ~ 1.
+Expectation: a blend a little above 1 (cheap extra terms per sublayer), the teacher's forward about a third of
+a step more; finished ~ 1.
 """
 
 from __future__ import annotations
@@ -42,25 +45,39 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.enc(self.emb(idx)))
 
 
-def arms(model: nn.Module, example) -> dict[str, nn.Module]:
+def arms(model: nn.Module, example) -> dict[str, tuple[nn.Module, nn.Module | None]]:
+    """name -> (model, teacher or None): the same weights in every arm."""
+    from ln_lightning.placement.teacher import frozen_copy
+
     plain = copy.deepcopy(model)
     convert(plain, "pre", example_input=example)
     blended = copy.deepcopy(model)
     transition.begin(blended, example_input=example)
     transition.set_blend(blended, 0.5)
-    finished = copy.deepcopy(model)
-    transition.begin(finished, example_input=example)
-    transition.finish(finished)
-    return {"pre": plain, "transition": blended, "finished": finished}
+    scaled = copy.deepcopy(model)
+    transition.begin(scaled, "pre", branch_scale="stream", example_input=example)
+    assert transition.measure_stream_scales(scaled, lambda: scaled(example)) is None
+    teacher = frozen_copy(scaled)  # LNPlacement's default: the trained function, at blend 0
+    transition.set_blend(scaled, 0.5)
+    finished = copy.deepcopy(scaled)
+    transition.finish(finished)  # pre-norm with the measured branch scales
+    return {"pre": (plain, None), "plain blend": (blended, None), "stream-scaled blend": (scaled, None),
+            "stream-scaled blend + teacher (default)": (scaled, teacher), "finished": (finished, None)}
 
 
-def make_step(model: nn.Module, x: torch.Tensor):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def make_step(model: nn.Module, x: torch.Tensor, teacher: nn.Module | None = None):
+    from ln_lightning.placement.teacher import kl_to_teacher
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every arm stays at its blend's weights
     y = torch.roll(x, -1, dims=1)
 
     def step():
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        if teacher is not None:  # what transition_distill adds: a teacher forward and the KL term
+            with torch.no_grad():
+                taught = teacher(x)
+            loss = loss + kl_to_teacher(logits, taught)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -71,30 +88,34 @@ def make_step(model: nn.Module, x: torch.Tensor):
 def measure(name: str, model: nn.Module, batch: int, seq: int, blocks: int, steps: int) -> dict:
     x = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(0))
     models = arms(model, x[:2])
-    steps_of = {k: make_step(m, x) for k, m in models.items()}
+    steps_of = {k: make_step(m, x, teacher) for k, (m, teacher) in models.items()}
     for s in steps_of.values():  # warm up
         for _ in range(2):
             s()
+    others = [k for k in models if k != "pre"]
     times: dict[str, list[float]] = {k: [] for k in models}
-    order = ["pre", "transition", "pre", "finished"]
+    where: dict[str, list[int]] = {k: [] for k in others}  # the index of the pre block just before each of its blocks
+
+    def block(arm):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            steps_of[arm]()
+        times[arm].append((time.perf_counter() - t0) / steps)
+
     for _ in range(blocks):
-        for arm in order:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                steps_of[arm]()
-            times[arm].append((time.perf_counter() - t0) / steps)
-    pre = times["pre"]  # two pre blocks per round: block 2i before the transition block, 2i+1 before finished
+        for arm in others:
+            block("pre")
+            where[arm].append(len(times["pre"]) - 1)
+            block(arm)
+    block("pre")
+    pre = times["pre"]
     ratio = {}
-    for arm in ("transition", "finished"):
-        paired = []
-        for i, t in enumerate(times[arm]):
-            neighbours = [pre[2 * i], pre[2 * i + 1]] if arm == "transition" else [pre[2 * i + 1]] + ([pre[2 * i + 2]] if 2 * i + 2 < len(pre) else [])
-            paired.append(t / statistics.mean(neighbours))
+    for arm in others:  # each block against the mean of the pre blocks on either side of it
+        paired = [t / statistics.mean([pre[i], pre[i + 1]]) for t, i in zip(times[arm], where[arm])]
         ratio[arm] = {"median": statistics.median(paired), "mean": statistics.mean(paired)}
     result = {"model": name, "ms_per_step": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "ratio_vs_pre": ratio}
-    print(f"{name}: step ms (median) pre {result['ms_per_step']['pre']:.2f}, transition {result['ms_per_step']['transition']:.2f}, "
-          f"finished {result['ms_per_step']['finished']:.2f}; ratio vs pre: transition {ratio['transition']['median']:.3f} "
-          f"(mean {ratio['transition']['mean']:.3f}), finished {ratio['finished']['median']:.3f} (mean {ratio['finished']['mean']:.3f})")
+    print(f"{name}: step ms (median) " + ", ".join(f"{k} {v:.2f}" for k, v in result["ms_per_step"].items()))
+    print("  ratio vs pre (median of paired blocks): " + ", ".join(f"{k} {r['median']:.3f}" for k, r in ratio.items()))
     return result
 
 

@@ -196,14 +196,25 @@ def test_a_lightning_module_rewritten_by_lnplacement_saves_its_hugging_face_mode
     assert rel(output(remote, {"input_ids": ids}), expected) <= TOL
 
 
-def test_a_stream_scaled_transition_is_refused_mid_way_and_saved_once_it_ended(tmp_path):
+def test_a_stream_scaled_transition_saves_mid_way_and_once_it_ended(tmp_path):
     module = _bert_lm()
     with pytest.warns(LNLightningWarning, match="ended during the transition"):
         trainer(tmp_path, LNPlacement("pre", transition_steps=6, fused=False, log_report=False), max_steps=2).fit(
             module, train_dataloaders=loader())
-    with pytest.raises(PlacementError, match="stream-scaled transition.*remote code does not blend"):
-        save_pretrained(module, tmp_path / "d")
-    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+    t = rewrite_state.of(module).transition
+    assert t.scaled and not torch.equal(t.site_before, torch.ones_like(t.site_before))  # measured, mid-way (blend 1/3)
+    bert = module.model.bert.eval()
+    ids = batch(3)
+    expected = output(bert, {"input_ids": ids})
+    assert save_pretrained(module, tmp_path / "d").route == "remote_code"
+    loaded = from_pretrained(tmp_path / "d", add_pooling_layer=False)
+    assert rel(output(loaded, {"input_ids": ids}), expected) <= TOL
+    assert torch.equal(rewrite_state.of(loaded).transition.site_after, t.site_after)
+    remote = T.AutoModel.from_pretrained(tmp_path / "d", trust_remote_code=True, add_pooling_layer=False).eval()
+    assert rel(output(remote, {"input_ids": ids}), expected) <= TOL
+    with torch.no_grad():  # the scales matter here: with every one 1 (the plain blend) the model computes another function
+        t.site_before.fill_(1.0), t.site_after.fill_(1.0), t.final_scale.fill_(1.0)
+        assert rel(output(bert, {"input_ids": ids}), expected) > 1e-4
     ended = _bert_lm()
     trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False), max_steps=3).fit(
         ended, train_dataloaders=loader())

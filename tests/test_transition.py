@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from ln_lightning import LNLightningWarning
+from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import PlacementError, convert, transition
 from ln_lightning.placement.transition_control import endpoint_step
 from ln_lightning.plugin import LNPlacement, load_converted
@@ -650,3 +651,18 @@ def test_stream_scaled_blend_without_a_trainer_is_exact_at_both_ends(kind):
         assert torch.equal(model(x), at_one) and transition.leftovers(model) == []
     with pytest.raises(PlacementError, match="not in a stream-scaled transition"):
         transition.measure_stream_scales(model, lambda: model(probe))
+
+
+def test_plugin_mix_transition_scales_the_converted_blocks_only(tmp_path):
+    # "mix" keeps the first quarter post-norm: the stream the later blocks read enters normalised (C = 1 there).
+    module = LM("demo", lr=0.0)
+    module.model = PostNormTransformerLM(**{**TINY, "n_layers": 4})
+    unconverted = copy.deepcopy(module.model)
+    trainer(tmp_path, LNPlacement("mix", transition_steps=2, fused=False, log_report=False), max_steps=3).fit(
+        module, train_dataloaders=loader())
+    scaled = {n: b.item() for n, b in module.model.named_buffers() if n.endswith("_scale.c")}
+    assert sorted(scaled) == [f"blocks.{i}.{s}_scale.c" for i in (1, 2, 3) for s in ("attn", "mlp")]
+    reference = stream_reference(unconverted, batch(1), "mix")
+    x = batch(3)
+    with torch.no_grad():
+        assert rel(module.model.eval()(x), reference.eval()(x)) <= 1e-6

@@ -52,17 +52,18 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
               transition: blend.Transition | None) -> dict:
     """The plan of `model`'s rewrite. `added`, `derived`: the record's (relative to `model`); `markers`: owner
     path -> marker length; `transition`: the rewrite's transition module (also when it lives outside `model`)."""
-    if transition is not None and transition.scaled:
-        raise PlacementError(
-            "the model is in a stream-scaled transition (LNPlacement's default with transition_steps), which the remote "
-            "code does not blend yet: saved now, it would load as another function. Save it once the transition has ended "
-            "(it is then the pre-norm model with its measured branch scales), or keep the Lightning checkpoint, which "
-            "resumes the transition exactly (LNPlacement(..., transition_stream_scale=False) runs the plain blend, which "
-            "exports at any point)"
-        )
     paths = {id(m): p for p, m in model.named_modules()}
     plan: dict = {"deferred": [], "hooks": [], "added": [], "markers": sorted([p, n] for p, n in markers.items()),
                   "transition": transition is not None}
+    if transition is not None and transition.scaled:
+        # The stream-scaled blend: which norm reads which of the transition's scales (they load with the weights).
+        plan["stream"] = {
+            "sites": sorted([p, m.__dict__[blend.SITE_ATTR]] for p, m in model.named_modules() if blend.SITE_ATTR in m.__dict__),
+            "finals": sorted([p, m.__dict__[blend.FINAL_ATTR]] for p, m in model.named_modules() if blend.FINAL_ATTR in m.__dict__),
+        }
+        if len(plan["stream"]["sites"]) != transition.site_before.numel() or len(plan["stream"]["finals"]) != transition.final_scale.numel():
+            raise PlacementError("the transition's stream-scaled sites are not all inside the model being saved (a "
+                                 "submodule of the rewritten model): save the model the transition was started on")
     for path in added:
         try:
             model.get_submodule(path)

@@ -33,21 +33,46 @@ SCHEDULES = ("linear", "cosine")
 
 
 # --------------------------------------------------------------------------------------------- the blend
-class Transition(nn.Module):
-    """A transition's blend, where it stood when the model was saved (its buffers load with the weights)."""
+SITE = "_ln_lightning_site"  # on a stream-scaled site's norm: its index in the transition's scales
+FINAL = "_ln_lightning_final"  # on an added final norm of a stream-scaled transition: its index
 
-    def __init__(self):
+
+class Transition(nn.Module):
+    """A transition's blend, where it stood when the model was saved (its buffers load with the weights); for the
+    stream-scaled blend also the measured stream scales (per site: before and after it; per added final norm)."""
+
+    def __init__(self, sites=0, finals=0):
         super().__init__()
         self.register_buffer("blend", torch.zeros((), dtype=torch.float32), persistent=True)
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.int64), persistent=True)
         self.register_buffer("schedule", torch.tensor([-1, 0], dtype=torch.int64), persistent=True)
+        if sites:
+            self.register_buffer("site_before", torch.ones(sites, dtype=torch.float32), persistent=True)
+            self.register_buffer("site_after", torch.ones(sites, dtype=torch.float32), persistent=True)
+            self.register_buffer("final_scale", torch.ones(finals, dtype=torch.float32), persistent=True)
+            self.register_buffer("scales_state", torch.zeros((), dtype=torch.int64), persistent=True)
 
     def a(self, like):
         return self.blend.to(like.dtype)
 
-    def call_site(self, h, y):
+    def call_site(self, h, y, norm=None):
         a = self.a(h)
-        return (1 - a) * y + a * h
+        slot = None if norm is None else norm.__dict__.get(SITE)
+        if slot is None:
+            return (1 - a) * y + a * h
+        return (1 - a) * (_ramp(a, self.site_after[slot]) * y) + a * h
+
+    def stream_divisor(self, norm, like):
+        slot = norm.__dict__.get(SITE)
+        return None if slot is None else _ramp(self.a(like), self.site_before[slot])
+
+    def final_divisor(self, final, like):
+        slot = final.__dict__.get(FINAL)
+        return None if slot is None else _ramp(self.a(like), self.final_scale[slot])
+
+
+def _ramp(a, c):
+    return (1 - a) + a * c.to(a.dtype)
 
 
 def _mix(t, x, y):
@@ -64,7 +89,7 @@ class DeferredNorm:
         if t is None:
             return x
         y = self.normalize(x) if not args and not kwargs else super().forward(x, *args, **kwargs)
-        return t.call_site(x, y)
+        return t.call_site(x, y, self)
 
     def normalize(self, x):
         return super().forward(x)
@@ -150,7 +175,11 @@ class NormalizeBranchInput:
             key = id(t)
             if key not in cache:
                 y = self.norm.normalize(t)
-                cache[key] = y if self.transition is None else _mix(self.transition, t, y)
+                if self.transition is None:
+                    cache[key] = y
+                else:
+                    d = self.transition.stream_divisor(self.norm, t)
+                    cache[key] = _mix(self.transition, t if d is None else t / d, y)
             return cache[key]
 
         args = list(args)
@@ -208,7 +237,8 @@ class BlendFinalNorm:
         self.transition = transition
 
     def __call__(self, module, args, output):
-        return _mix(self.transition, args[0], output)
+        s, d = args[0], self.transition.final_divisor(module, args[0])
+        return _mix(self.transition, s if d is None else s / d, output)
 
 
 class TapStream:
@@ -302,11 +332,16 @@ def _added_module(model, spec):
 def install(model, plan):
     """Make `model` (just built by its Hugging Face class) compute what the rewrite described by `plan` computes."""
     transition = None
+    stream = plan.get("stream") or {"sites": [], "finals": []}
     if plan.get("transition"):
-        transition = Transition()
+        transition = Transition(len(stream["sites"]), len(stream["finals"]))
         model.add_module(TRANSITION, transition)
     for path, spec in plan["added"]:
         _set(model, path, _added_module(model, spec))
+    for path, slot in stream["sites"]:
+        _get(model, path).__dict__[SITE] = slot
+    for path, slot in stream["finals"]:
+        _get(model, path).__dict__[FINAL] = slot
     for owner, size in plan["markers"]:
         _get(model, owner).register_buffer(MARKER, torch.zeros(size, dtype=torch.uint8), persistent=True)
     for path, blended in plan["deferred"]:

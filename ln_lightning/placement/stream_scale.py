@@ -15,8 +15,10 @@ the same before the head.
 `site_ratios` measures `sigma_k / mean|gamma_k|` on a batch with the model as it is (post-norm, trained);
 `cumulative_scales` turns them into `C_0 .. C_K` (`C_K`: the stream scale the final norm reads).
 
-Not used by `LNPlacement` yet: `examples/migrate_trained_methods.py` builds the study's candidate migrations
-from it, and the plugin's `transition_steps` still runs the plain blend (issue 20 left open).
+These are the measurement as a standalone function, on an unconverted model: `examples/migrate_trained_methods.py`
+builds the study's candidate migrations from them, and the tests compute the scales independently with them.
+`LNPlacement`'s transition measures the same quantities itself, inside the blend, on its first training batch
+(`placement.blend.Transition.begin_measurement`; `branch_scale="stream"`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ covered the fraction t of its total: constant speed of the function, not of the 
 stays within a budget, on the device (a 0-dim tensor in, the blend buffer updated in place; no host
 synchronisation).
 
-Not used by `LNPlacement` yet: `examples/migrate_trained_methods.py` builds the study's candidate migrations
-from it, and the plugin's `transition_steps` still runs the plain blend (issue 20 left open).
+`LNPlacement` uses `endpoint_step` (its `transition_endpoint_fraction`); the schedules and the controller are the
+study's candidates (`examples/migrate_trained_methods.py`), measured and not made defaults.
 """
 
 from __future__ import annotations
