@@ -11,7 +11,8 @@ the mixed-precision scaler, the logged loss is the user's own) applies to it unc
 
 Where one of these fails, fitting goes on without distillation and a warning says why. The teacher's weights
 go into every checkpoint written during the transition (``checkpoint["ln_lightning_teacher"]``), so a resumed
-run distils towards the same function as an uninterrupted one.
+run distils towards the same function as an uninterrupted one; the teacher stays with the model's transition
+between fits (a second fit of the same model uses it) and goes when the transition ends.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ln_lightning.placement.teacher import frozen_copy, kl_to_teacher, logits_of
 
 CHECKPOINT_KEY = "ln_lightning_teacher"
 _STEP = "training_step"
+_TEACHER = "_ln_lightning_teacher"  # on the model's Transition while it runs
 
 
 class Distillation:
@@ -51,13 +53,22 @@ class Distillation:
             return "it needs automatic optimisation (the loss passes through LNPlacement only then)"
         if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
             return f"the model is sharded under {type(trainer.strategy).__name__} (the teacher is a whole copy of it)"
-        if steps_done > 0 and self.saved_state is None:
-            return ("the transition is past its start and the checkpoint holds no teacher (written without "
-                    "distillation): the trained function it started from is not in it")
-        teacher = frozen_copy(pl_module)
-        if self.saved_state is not None:
-            teacher.load_state_dict(self.saved_state)
-            blend.active(teacher).set_progress(0, 0.0)
+        t = blend.active(pl_module)
+        teacher = t.__dict__.get(_TEACHER) if t is not None else None  # an earlier fit's, on this model
+        if teacher is None:
+            if steps_done > 0 and self.saved_state is None:
+                return ("the transition is past its start and neither the model nor the checkpoint holds its teacher "
+                        "(written without distillation): the trained function it started from is not there")
+            try:
+                teacher = frozen_copy(pl_module)
+            except Exception as e:  # noqa: BLE001 - a module holding something deepcopy can't copy: a reason, not a crash
+                return f"the LightningModule could not be copied for the teacher ({type(e).__name__}: {e})"
+            if self.saved_state is not None:
+                teacher.load_state_dict(self.saved_state)
+                blend.active(teacher).set_progress(0, 0.0)
+            # Kept with the transition (not a submodule: no state_dict key), so a second fit of this model distils
+            # towards the same function; it goes when the transition ends.
+            t.__dict__[_TEACHER] = teacher
         self.teacher, self.saved_state, self._module = teacher, None, pl_module
         self._handle = pl_module.register_forward_hook(self._on_forward, with_kwargs=True)
         step = type(pl_module).training_step.__get__(pl_module) if _STEP not in pl_module.__dict__ else pl_module.__dict__[_STEP]

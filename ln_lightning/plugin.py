@@ -476,6 +476,20 @@ class LNPlacement(LayerSync, Callback):
         self._close_load()
 
     # ------------------------------------------------------------------ the transition, per optimizer step
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The trained weights (and a resumed checkpoint's teacher) are in; the first step has not run.
+        state = rewrite_state.of(pl_module)
+        t = None if state is None else state.transition
+        if t is None or self.transition_steps is None or self._run is None or self.transition_distill <= 0:
+            return
+        run = self._run
+        run.distill = Distillation(self.transition_distill)
+        run.distill.saved_state = run.teacher_state
+        reason = run.distill.start(trainer, pl_module, t.host_steps)
+        if reason is not None:
+            run.distill.off_reason = reason
+            self._warn_no_distillation(trainer, reason)
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         state = rewrite_state.of(pl_module)
         if state is None or state.transition is None or self.transition_steps is None or self._run is None:
@@ -487,14 +501,6 @@ class LNPlacement(LayerSync, Callback):
         if done == 0 and t.needs_measurement and not self._run.measured:
             t.begin_measurement()  # this forward runs at blend 0: the trained function's own statistics
             self._run.measuring = True
-        if self.transition_distill > 0 and self._run.distill is None:
-            run = self._run
-            run.distill = Distillation(self.transition_distill)
-            run.distill.saved_state = run.teacher_state
-            reason = run.distill.start(trainer, pl_module, done)
-            if reason is not None:
-                run.distill.off_reason = reason
-                self._warn_no_distillation(trainer, reason)
         if endpoint_step(done, t.steps, self.transition_endpoint_fraction):
             t.blend.fill_(1.0)  # this step trains the function the transition ends at (every micro-batch of it)
 

@@ -666,3 +666,22 @@ def test_plugin_mix_transition_scales_the_converted_blocks_only(tmp_path):
     x = batch(3)
     with torch.no_grad():
         assert rel(module.model.eval()(x), reference.eval()(x)) <= 1e-6
+
+
+@pytest.mark.parametrize("style", [pytest.param("compile_inner", marks=pytest.mark.slow), "bf16-mixed"])
+def test_the_default_transition_under_compile_and_mixed_precision(style, tmp_path):
+    module = LM("demo")
+    kw = {}
+    if style == "compile_inner":
+        module.model = torch.compile(module.model, backend="eager")
+    else:
+        kw["precision"] = style
+    rec = KLRecorder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LNLightningWarning)  # measured, distilled: no fallback warning
+        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=4,
+                callbacks=[rec], **kw).fit(module, train_dataloaders=loader())
+    scales = [b.item() for n, b in module.named_buffers() if n.endswith("_scale.c")]
+    assert len(scales) == 4 and scales[0] == 1.0 and all(c != 1.0 for c in scales[1:])
+    assert all(k is not None for k in rec.kl[:3]) and transition.active(module) is None
+    assert transition.leftovers(module) == []

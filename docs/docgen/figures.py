@@ -44,6 +44,8 @@ SOURCES: dict[str, str] = {
     "migrate_post_norm": "results/migrate_post_norm/results.json",
     "migrate_trained": "results/migrate_trained/results.json",
     "migrate_trained_screen": "results/migrate_trained_screen/results.json",
+    # examples/migrate_trained.py --arms unchanged plugin_400 plugin_700 plugin_plain_400 --no-why --out docs/results/migrate_trained_plugin
+    "migrate_trained_plugin": "results/migrate_trained_plugin/results.json",
     # benchmarks/*.py (--json / --out)
     "bench_convert": "results/bench_convert/results.json",
     "bench_transition": "results/bench_transition/results.json",

@@ -34,6 +34,7 @@ NOT_RENDERED: dict[str, str] = {
         "examples/migrate_trained.py builds its report from every run's curves (its runs/ folder), which results.json "
         "does not hold in full; the committed results.md is the script's own output (`--report-only` rebuilds it from runs/)."
     ),
+    "results/migrate_trained_plugin/results.md": "the same script's own output, for the plugin's arms.",
 }
 
 

@@ -185,8 +185,8 @@ class Transition(nn.Module):
         return None if slot is None else _ramp(self.a(like), self.site_before[slot])
 
     def final_divisor(self, final: nn.Module, like: torch.Tensor) -> torch.Tensor | None:
-        slot = final.__dict__.get(FINAL_ATTR)
-        if slot is None or not self.scaled:
+        slot = final.__dict__.get(FINAL_ATTR)  # (set only where the transition has sites; unmeasured, C = 1)
+        if slot is None:
             return None
         if self._measuring is not None and _recording():
             self._measuring.append(("final", slot, None))
@@ -201,6 +201,12 @@ class Transition(nn.Module):
     def _record_site(self, slot: int, norm: nn.Module, h: torch.Tensor) -> None:
         if self._measuring is None or not _recording():
             return
+        try:
+            self._measure_site(slot, norm, h)
+        except Exception as e:  # noqa: BLE001 - (a tensor-parallel DTensor weight, ...): the plain blend, with the reason
+            self._measuring.append(("error", slot, f"{type(e).__name__}: {e}"))
+
+    def _measure_site(self, slot: int, norm: nn.Module, h: torch.Tensor) -> None:
         with torch.no_grad():
             x = h.detach().float()
             eps = float(getattr(norm, "eps", None) or 0.0)
@@ -222,6 +228,10 @@ class Transition(nn.Module):
         events, self._measuring = self._measuring, None
         if events is None:
             return "no forward was recorded"
+        errors = [r for kind, _, r in events if kind == "error"]
+        if errors:
+            self._set_plain()
+            return f"a site's statistics could not be computed ({errors[0]})"
         order = [slot for kind, slot, _ in events if kind == "site"]
         counts = {slot: order.count(slot) for slot in set(order)}
         missing = [k for k in range(len(self.sites)) if k not in counts]
