@@ -106,7 +106,7 @@ def describe(name: str, spec: dict) -> str:
         if opts:
             return f'`LNPlacement("pre", transition_steps={spec["transition_steps"]}, resume_unconverted=True{opts})`: the plugin\'s plain blend'
         return (f'`LNPlacement("pre", transition_steps={spec["transition_steps"]}, resume_unconverted=True)`: the plugin\'s default '
-                '(stream-scaled blend, 25% endpoint steps)')
+                '(stream-scaled blend, 25% of the steps at blend 1, + 1 x KL(trained || model) while blending)')
     return spec["method"].describe()
 
 

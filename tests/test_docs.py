@@ -88,3 +88,4 @@ def test_readme_and_guides_link_only_to_pages_that_exist():
             if target.startswith("http"):
                 continue
             assert (page.parent / target).resolve().is_file(), f"{page.name} links {target}, which does not exist"
+

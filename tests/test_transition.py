@@ -685,3 +685,19 @@ def test_the_default_transition_under_compile_and_mixed_precision(style, tmp_pat
     assert len(scales) == 4 and scales[0] == 1.0 and all(c != 1.0 for c in scales[1:])
     assert all(k is not None for k in rec.kl[:3]) and transition.active(module) is None
     assert transition.leftovers(module) == []
+
+
+def test_a_stream_scaled_transition_exports_and_compiles_mid_way():
+    model = make("demo")
+    x = batch(3)
+    transition.begin(model, "pre", branch_scale="stream")
+    assert transition.measure_stream_scales(model, lambda: model(batch(1))) is None
+    transition.set_blend(model, 0.4)
+    model.eval()
+    with torch.no_grad():
+        want = model(x)
+    program = torch.export.export(model, (x,))
+    assert torch.equal(program.module()(x), want)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # no graph break from the blend
+    with torch.no_grad():
+        assert torch.equal(compiled(x), want)

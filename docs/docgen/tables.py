@@ -393,6 +393,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "bench_monitors": bench_monitors,
     "migrate_trained_arms": migrate_trained_arms,
     "migrate_trained_setup": migrate_trained_setup,
+    "migrate_trained_plugin_arms": migrate_trained_plugin_arms,
+    "migrate_trained_plugin_setup": migrate_trained_plugin_setup,
     "migrate_trained_claims": migrate_trained_claims,
     "migrate_trained_screen": migrate_trained_screen,
     "migrate_trained_drift": migrate_trained_drift,
