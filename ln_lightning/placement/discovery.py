@@ -426,6 +426,9 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
     else:
         visit(model, "")
     found.stacks = sorted(stacks.values(), key=lambda s: s.path)
+    # `attempt` and `visit` call each other, a reference cycle that holds `run` (the whole recording): cleared,
+    # the recording is freed as soon as convert lets go of it, not by a garbage collection walking it all.
+    attempt = visit = None  # noqa: F841
     return found
 
 
