@@ -122,7 +122,7 @@ def run_model(model: nn.Module, example: Any):
 def observe_model(model: nn.Module, example: Example, holders: set[int] | None = None) -> ModelRun:
     """Run the model once on `example` (eval, no grad, our hooks bypassed), recording everything; the
     arguments of each module's first call are kept (of the modules in `holders` only, when given: a
-    block holds a norm)."""
+    block holds a norm; never of a norm itself, which is never a block)."""
     inputs: dict = {}
     target = model.get_submodule(example.path) if example.path else model
 
@@ -133,8 +133,9 @@ def observe_model(model: nn.Module, example: Example, holders: set[int] | None =
             memo = {id(v): v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
             inputs[id(mod)] = copy.deepcopy((tuple(args), dict(kwargs)), memo)
 
+    types = norm_types()
     handles = [m.register_forward_pre_hook(capture, with_kwargs=True, prepend=True) for m in target.modules()
-               if holders is None or id(m) in holders]
+               if (holders is None or id(m) in holders) and not isinstance(m, types)]
     try:
         with eval_no_grad(model), hooks.bypass(), record(target, example.path) as rec:
             out = run_model(target, example.value)
@@ -426,6 +427,9 @@ def discover(model: nn.Module, example: Example | None = None) -> Found:
     else:
         visit(model, "")
     found.stacks = sorted(stacks.values(), key=lambda s: s.path)
+    # `attempt` and `visit` call each other, a reference cycle that holds `run` (the whole recording): cleared,
+    # the recording is freed as soon as convert lets go of it, not by a garbage collection walking it all.
+    attempt = visit = None  # noqa: F841
     return found
 
 

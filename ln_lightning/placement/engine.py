@@ -267,13 +267,13 @@ def convert(
             "which needs real weights. Materialise the model first (model.to_empty(device=...) and initialise it), "
             "or convert before moving it to meta"
         )
-    snapshot = Snapshot(model)
-    try:
-        with _one_thread():
+    with _one_thread():  # the snapshot too: its copies of every module's dicts would set off a full collection
+        snapshot = Snapshot(model)
+        try:
             return _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks)
-    except BaseException:
-        snapshot.restore()  # whatever failed, and wherever: the model is exactly as it was
-        raise
+        except BaseException:
+            snapshot.restore()  # whatever failed, and wherever: the model is exactly as it was
+            raise
 
 
 def _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks=None) -> ConversionReport:

@@ -51,7 +51,9 @@ class _LeafTracer(fx.Tracer):
 
 def added_norm(model: nn.Module, stack: Stack) -> tuple[str, nn.Module] | None:
     for path, m in model.named_modules():
-        if getattr(m, MARKER, None) == stack.path:
+        # The marker is an instance attribute (set below): read from the instance's dict, not through
+        # nn.Module.__getattr__, which raises (and formats) an AttributeError for each of the model's modules.
+        if m.__dict__.get(MARKER) == stack.path:
             return path, m
     owner, owner_path = _owner(model, stack)
     if isinstance(owner, (nn.TransformerEncoder, nn.TransformerDecoder)) and getattr(owner, "_ln_lightning_added_norm", False):

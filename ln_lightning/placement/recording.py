@@ -71,6 +71,14 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+def _versions(ins: list) -> list:
+    """`_version` of each (where, tensor): one pass, falling back per tensor only when one has no counter."""
+    try:
+        return [t._version for _, t in ins]
+    except RuntimeError:
+        return [_version(t) for _, t in ins]
+
+
 def _leaves_torch(out: Any) -> bool:
     """Is `out` a tensor's values in a form the recording can't follow (an array, a list, a number, a pointer)?"""
     if isinstance(out, torch.Tensor) or isinstance(out, _NOT_DATA):
@@ -118,6 +126,13 @@ def flatten(obj: Any, where: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
     if obj is None:
         return []
     out: list = []
+    if type(obj) is tuple:  # a call's arguments: tensors and plain values, rarely nested
+        for i, o in enumerate(obj):
+            if isinstance(o, torch.Tensor):
+                out.append((where + (i,), o))
+            elif isinstance(o, (tuple, list, dict)):
+                _flatten(o, where + (i,), out)
+        return out
     _flatten(obj, where, out)
     return out
 
@@ -133,7 +148,10 @@ def _flatten(obj, where, out) -> None:
                 _flatten(o, where + (i,), out)
     elif isinstance(obj, dict):
         for k, o in obj.items():
-            _flatten(o, where + (k,), out)
+            if isinstance(o, torch.Tensor):
+                out.append((where + (k,), o))
+            elif isinstance(o, (tuple, list, dict)):
+                _flatten(o, where + (k,), out)
 
 
 def _func_name(func) -> str:
@@ -180,9 +198,11 @@ class Recording:
     def _event(self, kind, name, module, inputs, reads: bool = True) -> Event:
         e = Event(len(self.events), kind, name, module, self._frames, ours=hooks.normalizing())
         self.events.append(e)
-        values, e_inputs = self.values, e.inputs
+        values, e_inputs, by_id = self.values, e.inputs, self._by_id
         for where, t in inputs:
-            v = self.value_of(t)
+            v = by_id.get(id(t))  # `value_of`, inlined: a few thousand inputs per recorded forward
+            if v is None or values[v].tensor is not t:
+                v = self._new_version(t, None)
             e_inputs.append((where, v))
             if reads:
                 values[v].readers.append(e.index)
@@ -192,7 +212,8 @@ class Recording:
     def written(ins: list, before: list, func) -> set[int]:
         """Storage keys of the arguments the call `func` wrote: those whose version counter moved, and for
         an operator called directly (`torch.ops...`, a `torch.library` op) those its schema marks written."""
-        out = {storage_key(t) for (_, t), v in zip(ins, before) if v is not None and _version(t) != v}
+        after = _versions(ins)
+        out = {storage_key(t) for (_, t), v, w in zip(ins, before, after) if v is not None and w != v} if after != before else set()
         schema = getattr(func, "_schema", None)
         if schema is not None:
             marked = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
@@ -238,14 +259,14 @@ class Recording:
                     t = self.values[self._by_id[tid]].tensor
                     e.outputs.append((("written",), self._new_version(t, e.index)))
 
-    def enter_module(self, module, args, kwargs) -> None:
+    def enter_module(self, module, args, kwargs) -> None:  # a forward pre-hook (with kwargs)
         ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",))
         e = self._event("module", self.paths[id(module)], module, ins)
         self._calls.setdefault(id(module), []).append(e)
         self._stack.append(e.index)
         self._frames = tuple(self._stack)
 
-    def exit_module(self, module, out) -> None:
+    def exit_module(self, module, args, out) -> None:  # a forward hook
         if not self._stack:
             return
         e = self.events[self._stack.pop()]
@@ -307,7 +328,7 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ins = flatten(args, ("arg",)) + flatten(kwargs, ("kwarg",)) if kwargs else flatten(args, ("arg",))
-        before = [_version(t) for _, t in ins]
+        before = _versions(ins)
         out = func(*args, **kwargs)
         self.rec.on_function(func, ins, args, kwargs, out, self.rec.written(ins, before, func))
         return out
@@ -327,8 +348,8 @@ def record(root: nn.Module, prefix: str = "") -> Iterator[Recording]:
         # Appended (not prepended): the call is recorded with the arguments the module really gets,
         # after any hook (ours included) has rewritten them. nn.Module's own methods, so a deferred
         # norm's call site is recorded (its override hands hooks to the normalisation instead).
-        handles.append(nn.Module.register_forward_pre_hook(m, lambda mod, a, kw: rec.enter_module(mod, a, kw), with_kwargs=True))
-        handles.append(nn.Module.register_forward_hook(m, lambda mod, a, out: rec.exit_module(mod, out), always_call=True))
+        handles.append(nn.Module.register_forward_pre_hook(m, rec.enter_module, with_kwargs=True))
+        handles.append(nn.Module.register_forward_hook(m, rec.exit_module, always_call=True))
     try:
         with _Mode(rec):
             yield rec

@@ -18,8 +18,9 @@ class Snapshot:
         self._saved = []
         for m in root.modules():  # each module once
             attrs = m.__dict__.copy()
-            # The dicts among them (hooks, children, parameters, buffers), each copied as it is now.
-            dicts = [(v, v.copy()) for v in attrs.values() if isinstance(v, dict)]
+            # The dicts among them (hooks, children, parameters, buffers), each copied as it is now; most
+            # are empty (a module's dozen hook dicts), which needs no copy: None, restored by clearing.
+            dicts = [(v, v.copy() if v else None) for v in attrs.values() if isinstance(v, dict)]
             self._saved.append((m, m.__class__, attrs, dicts))
 
     def restore(self) -> None:
@@ -29,4 +30,5 @@ class Snapshot:
             m.__dict__.update(attrs)
             for d, items in dicts:
                 d.clear()
-                d.update(items)
+                if items:
+                    d.update(items)
