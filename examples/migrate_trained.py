@@ -153,7 +153,11 @@ def arms(hp: dict) -> dict:
            # the plugin's plain blend (its default before issue 20's study): transition_stream_scale=False, no endpoint steps
            f"plugin_plain_{T}": {"kind": "plugin", "transition_steps": T,
                                  "options": {"transition_stream_scale": False, "transition_endpoint_fraction": 0.0,
-                                             "transition_distill": 0.0}}}
+                                             "transition_distill": 0.0}},
+           # the default transition to the other placements ("mix": stream-scaled too; "peri": endpoint steps and
+           # distillation, no stream scales)
+           f"plugin_mix_{T}": {"kind": "plugin", "transition_steps": T, "placement": "mix"},
+           f"plugin_peri_{T}": {"kind": "plugin", "transition_steps": T, "placement": "peri"}}
     for name, m in methods(hp).items():
         out[name] = {"kind": "method", "method": m}
     return out
@@ -319,7 +323,7 @@ def train_one(job: str, seed: int, hp: dict, out: Path) -> dict:
         ckpt_path = str(ckpt_dir / "last.ckpt")
         if spec["kind"] == "plugin":
             kw = {} if spec["transition_steps"] is None else {"transition_steps": spec["transition_steps"], **spec.get("options", {})}
-            plugin = LNPlacement("pre", resume_unconverted=True, log_report=False, **kw)
+            plugin = LNPlacement(spec.get("placement", "pre"), resume_unconverted=True, log_report=False, **kw)
             teacher_steps = _plugin_teacher_steps(plugin)
             if teacher_steps:  # its distillation runs a teacher forward per transition step: fewer steps fit the budget
                 max_steps = hp["pretrain"] + _steps_within(budget_units, teacher_steps)

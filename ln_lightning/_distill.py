@@ -42,6 +42,7 @@ class Distillation:
         self._pending: list[torch.Tensor] = []
         self._handle = None
         self._module: LightningModule | None = None
+        self._in_step = False
 
     @property
     def active(self) -> bool:
@@ -90,7 +91,10 @@ class Distillation:
 
     # ------------------------------------------------------------------ per step
     def _on_forward(self, module, args, kwargs, output):
-        if self.teacher is None or not module.training or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        # Only the module's calls inside training_step: under DDP, Lightning also calls the module itself with
+        # training_step's arguments (its forward redirected to training_step), whose hook fires after it returned.
+        if (self.teacher is None or not self._in_step or not module.training or not torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() != -1):
             return None
         student = logits_of(output)
         with torch.no_grad():
@@ -103,7 +107,11 @@ class Distillation:
         return None
 
     def _training_step(self, *args: Any, **kwargs: Any):
-        out = self._original_step(*args, **kwargs)
+        self._in_step = True
+        try:
+            out = self._original_step(*args, **kwargs)
+        finally:
+            self._in_step = False
         pending, self._pending = self._pending, []
         if not pending or out is None:
             return out

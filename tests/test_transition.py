@@ -339,10 +339,15 @@ class BlendFile(Callback):
     def on_train_batch_start(self, trainer, pl_module, b, batch_idx):
         self.blends.append([trainer.global_step, transition.get_blend(pl_module)])
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, b, batch_idx):
+        kl = trainer.callback_metrics.get("ln_placement/distill_kl")
+        self.__dict__.setdefault("kl", []).append(None if kl is None else float(kl))
+
     def on_train_end(self, trainer, pl_module):
         import json
 
         Path(self.out, f"blends_rank{trainer.global_rank}.json").write_text(json.dumps(self.blends))
+        Path(self.out, f"kl_rank{trainer.global_rank}.json").write_text(json.dumps(self.__dict__.get("kl", [])))
         scales = {n: b.tolist() for n, b in pl_module.named_buffers() if n.endswith("_scale.c")}
         Path(self.out, f"scales_rank{trainer.global_rank}.json").write_text(json.dumps(scales))
 
@@ -382,6 +387,8 @@ def test_ddp_spawn_every_rank_has_the_same_blend(tmp_path):
     got = [scales[0]["model." + k] for k in order]
     assert got[0] == 1.0 and all(abs(g - w) <= 1e-5 * w for g, w in zip(got, want)), (got, want)
     assert per_rank[0] != per_rank[1]  # the ranks' batches differ: the reduction is what makes them agree
+    kl = [json.loads(Path(tmp_path, f"kl_rank{r}.json").read_text()) for r in range(2)]
+    assert all(k[i] is not None for k in kl for i in range(3)) and kl[0][1] != kl[1][1]  # distilled on each rank's batch
 
 
 def test_blend_is_logged_and_validate_uses_it(tmp_path):
@@ -540,6 +547,13 @@ def test_ddp_and_fsdp2_every_rank_has_the_same_blend(mode, tmp_path):
     ranks = [json.loads(Path(tmp_path, f"blends_rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1] and [b for _, b in ranks[0]][-2:] == [None, None] and ranks[0][0] == [0, 0.0]
     assert all(json.loads(Path(tmp_path, f"left_rank{r}.json").read_text()) == [] for r in range(2))
+    scales = [json.loads(Path(tmp_path, f"scales_rank{r}.json").read_text()) for r in range(2)]
+    assert scales[0] == scales[1] and len(scales[0]) == 4 and sum(v != 1.0 for v in scales[0].values()) == 3  # measured, alike
+    kl = [json.loads(Path(tmp_path, f"kl_rank{r}.json").read_text()) for r in range(2)]
+    if mode == "ddp":  # distilled on every rank; FSDP2 shards the model: the transition runs without (it warns)
+        assert all(k[i] is not None for k in kl for i in range(3))
+    else:
+        assert all(v is None for k in kl for v in k)
 
 
 if __name__ == "__main__":
