@@ -66,7 +66,7 @@ def arms(model: nn.Module, example) -> dict[str, tuple[nn.Module, nn.Module | No
 
 
 def make_step(model: nn.Module, x: torch.Tensor, teacher: nn.Module | None = None):
-    from ln_lightning.placement.teacher import kl_to_teacher
+    from ln_lightning.placement.teacher import kl_to_teacher, trained_output
 
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every arm stays at its blend's weights
     y = torch.roll(x, -1, dims=1)
@@ -75,8 +75,7 @@ def make_step(model: nn.Module, x: torch.Tensor, teacher: nn.Module | None = Non
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         if teacher is not None:  # what transition_distill adds: a teacher forward and the KL term
-            with torch.no_grad():
-                taught = teacher(x)
+            taught = trained_output(teacher, x)
             loss = loss + kl_to_teacher(logits, taught)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -154,10 +154,11 @@ def arms(hp: dict) -> dict:
            f"plugin_plain_{T}": {"kind": "plugin", "transition_steps": T,
                                  "options": {"transition_stream_scale": False, "transition_endpoint_fraction": 0.0,
                                              "transition_distill": 0.0}},
-           # the default transition to the other placements ("mix": stream-scaled too; "peri": endpoint steps and
-           # distillation, no stream scales)
+           # the default transition to the other placements ("mix": stream-scaled too; "peri", "output": endpoint
+           # steps and distillation, no stream scales)
            f"plugin_mix_{T}": {"kind": "plugin", "transition_steps": T, "placement": "mix"},
-           f"plugin_peri_{T}": {"kind": "plugin", "transition_steps": T, "placement": "peri"}}
+           f"plugin_peri_{T}": {"kind": "plugin", "transition_steps": T, "placement": "peri"},
+           f"plugin_output_{T}": {"kind": "plugin", "transition_steps": T, "placement": "output"}}
     for name, m in methods(hp).items():
         out[name] = {"kind": "method", "method": m}
     return out

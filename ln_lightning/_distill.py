@@ -24,7 +24,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from ln_lightning.placement import blend
-from ln_lightning.placement.teacher import frozen_copy, kl_to_teacher, logits_of
+from ln_lightning.placement.teacher import frozen_copy, kl_to_teacher, logits_of, trained_output
 
 CHECKPOINT_KEY = "ln_lightning_teacher"
 _STEP = "training_step"
@@ -97,8 +97,7 @@ class Distillation:
                 or torch._C._current_graph_task_id() != -1):
             return None
         student = logits_of(output)
-        with torch.no_grad():
-            taught = logits_of(self.teacher(*args, **kwargs))
+        taught = logits_of(trained_output(self.teacher, *args, **kwargs))
         if student is None or taught is None or student.shape != taught.shape:
             self.off_reason = (f"the LightningModule's output has no predictions to compare (a tensor, `logits` or a "
                                f"tuple's first element of the same shape in both: got {type(output).__name__})")

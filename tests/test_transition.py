@@ -715,3 +715,22 @@ def test_a_stream_scaled_transition_exports_and_compiles_mid_way():
     compiled = torch.compile(model, backend="eager", fullgraph=True)  # no graph break from the blend
     with torch.no_grad():
         assert torch.equal(compiled(x), want)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_teacher_computes_the_trained_function_bit_for_bit(kind):
+    from ln_lightning.placement.teacher import frozen_copy, trained_output
+
+    model = make(kind)
+    x = batch(3)
+    with torch.no_grad():
+        trained = model.eval()(x)
+    model.train()
+    transition.begin(model, "pre", branch_scale="stream")
+    assert transition.measure_stream_scales(model, lambda: model(batch(1))) is None
+    transition.set_blend(model, 0.7)
+    teacher = frozen_copy(model)
+    assert torch.equal(trained_output(teacher, x), trained)  # the rewrite's hooks bypassed: the model as written
+    with torch.no_grad():
+        assert torch.equal(teacher(x), trained)  # and its blend, pinned at 0, is the same function
+    assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training

@@ -7,7 +7,8 @@ function: a frozen copy of the model taken when the transition starts, at blend 
 was trained with).
 
 Cost: one copy of the weights (no gradients, no optimizer state), and one forward of it per training forward
-while the transition runs (eval mode: no dropout, no random numbers drawn); dropped when the transition ends.
+while the transition runs (eval mode: no dropout, no random numbers drawn; the rewrite's hooks bypassed, so a
+plain forward of the model as written); dropped when the transition ends.
 
 The copy keeps the rewrite's own hooks (the blend at 0 needs them) and drops every other hook (a monitor on a
 norm must not record the teacher's forward); a user hook that changes a module's output is therefore not in the
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ln_lightning.placement import blend
+from ln_lightning.placement import blend, hooks
 
 
 def _ours(hook: Any) -> bool:
@@ -59,7 +60,23 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     teacher.eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
+    teacher.__dict__[_BYPASS] = not any(isinstance(m, (blend.BlendEncoderLayer, blend.BlendDecoderLayer)) for m in teacher.modules())
     return teacher
+
+
+_BYPASS = "_ln_lightning_teacher_bypass"  # on a teacher: its hooks can be bypassed bit for bit
+
+
+@torch.no_grad()
+def trained_output(teacher: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The teacher's output: the model as written, with the rewrite's hooks bypassed (`hooks.bypass`, what the
+    engine checks against), so a plain forward of it rather than one of the blend; at blend 0 the two are the
+    same function bit for bit. A torch Transformer layer in the blend is the exception (its bypassed norm rounds
+    differently): such a teacher runs its blend, pinned at 0."""
+    if teacher.__dict__.get(_BYPASS):
+        with hooks.bypass():
+            return teacher(*args, **kwargs)
+    return teacher(*args, **kwargs)
 
 
 def logits_of(output: Any) -> torch.Tensor | None:
@@ -82,4 +99,4 @@ def kl_to_teacher(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
-__all__ = ["frozen_copy", "kl_to_teacher", "logits_of"]
+__all__ = ["frozen_copy", "kl_to_teacher", "logits_of", "trained_output"]
