@@ -17,6 +17,7 @@ between fits (a second fit of the same model uses it) and goes when the transiti
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -42,7 +43,10 @@ class Distillation:
         self._pending: list[torch.Tensor] = []
         self._handle = None
         self._module: LightningModule | None = None
+        self._transition = None
+        self._wrapper = None
         self._in_step = False
+        self.distilled_once = False  # a KL was added in this run (checked after the first step)
 
     @property
     def active(self) -> bool:
@@ -55,7 +59,8 @@ class Distillation:
         if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
             return f"the model is sharded under {type(trainer.strategy).__name__} (the teacher is a whole copy of it)"
         t = blend.active(pl_module)
-        teacher = t.__dict__.get(_TEACHER) if t is not None else None  # an earlier fit's, on this model
+        # An earlier fit's teacher, on this model: unless the checkpoint this run resumed from brought its own.
+        teacher = t.__dict__.get(_TEACHER) if t is not None and self.saved_state is None else None
         if teacher is None:
             if steps_done > 0 and self.saved_state is None:
                 return ("the transition is past its start and neither the model nor the checkpoint holds its teacher "
@@ -70,24 +75,41 @@ class Distillation:
             # Kept with the transition (not a submodule: no state_dict key), so a second fit of this model distils
             # towards the same function; it goes when the transition ends.
             t.__dict__[_TEACHER] = teacher
-        self.teacher, self.saved_state, self._module = teacher, None, pl_module
+        device = next((p.device for p in pl_module.parameters()), None)
+        if device is not None:
+            teacher.to(device)  # (kept on the CPU between fits)
+        self.teacher, self.saved_state, self._module, self._transition = teacher, None, pl_module, t
         self._handle = pl_module.register_forward_hook(self._on_forward, with_kwargs=True)
-        step = type(pl_module).training_step.__get__(pl_module) if _STEP not in pl_module.__dict__ else pl_module.__dict__[_STEP]
-        self._original_step = step
-        pl_module.__dict__[_STEP] = self._training_step
+        original = type(pl_module).training_step.__get__(pl_module) if _STEP not in pl_module.__dict__ else pl_module.__dict__[_STEP]
+
+        # functools.wraps: Lightning reads training_step's signature (whether it takes batch_idx) through __wrapped__.
+        @functools.wraps(original)
+        def training_step(*args: Any, **kwargs: Any):
+            return self._training_step(original, *args, **kwargs)
+
+        self._wrapper = training_step
+        pl_module.__dict__[_STEP] = training_step
         return None
 
-    def stop(self) -> None:
-        """Drop the teacher and the hooks (the transition ended, or the Trainer call did)."""
+    def stop(self, keep: bool = True) -> None:
+        """Drop the hooks, and the teacher: kept with the model's transition on the CPU for a later fit (`keep`:
+        the Trainer call ended mid-transition), or let go (the transition ended, or distillation stopped)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        if self._module is not None and self._module.__dict__.get(_STEP) == self._training_step:
+        if self._module is not None and self._module.__dict__.get(_STEP) is self._wrapper:
             del self._module.__dict__[_STEP]
-        self._module, self.teacher, self._pending = None, None, []
+        t = self._transition
+        if t is not None:
+            if keep and self.off_reason is None and self.teacher is not None:
+                self.teacher.to("cpu")
+            else:
+                t.__dict__.pop(_TEACHER, None)
+        self._module, self.teacher, self._pending, self._transition = None, None, [], None
 
     def checkpoint_state(self) -> dict | None:
-        return None if self.teacher is None else {k: v.detach().clone() for k, v in self.teacher.state_dict().items()}
+        # The teacher is frozen: its tensors as they are (torch.save copies them), no second copy on the device.
+        return None if self.teacher is None else dict(self.teacher.state_dict())
 
     # ------------------------------------------------------------------ per step
     def _on_forward(self, module, args, kwargs, output):
@@ -97,23 +119,24 @@ class Distillation:
                 or torch._C._current_graph_task_id() != -1):
             return None
         student = logits_of(output)
-        taught = logits_of(trained_output(self.teacher, *args, **kwargs))
+        taught = logits_of(trained_output(self.teacher, *args, **kwargs)) if student is not None else None
         if student is None or taught is None or student.shape != taught.shape:
-            self.off_reason = (f"the LightningModule's output has no predictions to compare (a tensor, `logits` or a "
-                               f"tuple's first element of the same shape in both: got {type(output).__name__})")
+            self.off_reason = (f"the LightningModule's output has no predictions to compare (a floating tensor of "
+                               f"scores over a last dimension, `logits`, or a tuple's first element: got {type(output).__name__})")
             return None
         self._pending.append(kl_to_teacher(student, taught))
         return None
 
-    def _training_step(self, *args: Any, **kwargs: Any):
+    def _training_step(self, original, *args: Any, **kwargs: Any):
         self._in_step = True
         try:
-            out = self._original_step(*args, **kwargs)
+            out = original(*args, **kwargs)
         finally:
             self._in_step = False
         pending, self._pending = self._pending, []
         if not pending or out is None:
             return out
+        self.distilled_once = True
         kl = torch.stack(pending).mean()
         self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)
         term = self.weight * kl

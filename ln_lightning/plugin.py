@@ -432,8 +432,15 @@ class LNPlacement(LayerSync, Callback):
     def _end_run(self, pl_module: LightningModule | None) -> None:
         """Let go of everything this Trainer call set up (after teardown, or after an exception)."""
         self._close_load()
-        if self._run is not None and self._run.distill is not None:
-            self._run.distill.stop()
+        if self._run is not None:
+            if self._run.distill is not None:
+                self._run.distill.stop()
+            state = None if pl_module is None else rewrite_state.of(pl_module)
+            t = None if state is None else state.transition
+            if t is not None:  # ended by an exception or an interrupt, perhaps in an endpoint step or its first forward
+                t._measuring = None
+                if t.steps:
+                    t.blend.fill_(transition.schedule(t.host_steps / t.steps, t.kind))  # the blend it holds
         self._run = None
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
@@ -496,8 +503,10 @@ class LNPlacement(LayerSync, Callback):
             return
         t = state.transition
         done = t.host_steps
-        # The blend the model holds (host arithmetic: no synchronisation per step).
-        pl_module.log("ln_placement/transition", transition.schedule(done / t.steps, t.kind), on_step=True, on_epoch=False)
+        # The blend the model holds, written from host arithmetic and logged as the device tensor it is: no
+        # synchronisation per step (a Python float would be copied to the device, blocking, every step).
+        t.blend.fill_(transition.schedule(done / t.steps, t.kind))
+        pl_module.log("ln_placement/transition", t.blend.clone(), on_step=True, on_epoch=False)
         if done == 0 and t.needs_measurement and not self._run.measured:
             t.begin_measurement()  # this forward runs at blend 0: the trained function's own statistics
             self._run.measuring = True
@@ -516,9 +525,14 @@ class LNPlacement(LayerSync, Callback):
         t = None if state is None else state.transition
         if t is not None and run.measuring:
             self._end_measurement(trainer, t)
-        if run.distill is not None and run.distill.active and run.distill.off_reason is not None:
-            run.distill.stop()
-            self._warn_no_distillation(trainer, run.distill.off_reason)
+        distill = run.distill
+        if distill is not None and distill.active and distill.off_reason is None and not distill.distilled_once:
+            # The first batch ran without a call of the LightningModule itself inside training_step.
+            distill.off_reason = ("training_step did not call the LightningModule itself (self(...)) in its first batch, "
+                                  "so there was nothing to compare with the trained function")
+        if distill is not None and distill.active and distill.off_reason is not None:
+            distill.stop(keep=False)
+            self._warn_no_distillation(trainer, distill.off_reason)
         if not run.stepped:
             if t is not None and self.transition_steps is not None:
                 t.blend.fill_(transition.schedule(t.host_steps / t.steps, t.kind))  # held between micro-batches
@@ -528,7 +542,7 @@ class LNPlacement(LayerSync, Callback):
             return
         if state.advance(pl_module) >= 1.0:
             if run.distill is not None:
-                run.distill.stop()  # the teacher's memory goes back
+                run.distill.stop(keep=False)  # the teacher's memory goes back
             info(log, f"LNPlacement: transition to {self.placement}-norm finished after {self.transition_steps} steps; the "
                  f"model is now exactly its {self.placement}-norm rewrite.")
 

@@ -296,7 +296,15 @@ def test_the_plugin_and_the_transition_add_no_host_synchronisation_per_step(resu
     calls = spy.mode.calls
     assert any(name == "fill_" for _, name, _ in calls)  # the spy sees the transition's per-step writes
     syncs = [c for c in calls if c[1] in _SYNCING]
-    assert syncs == [], syncs
+    # One read, once per transition: at its first step, whether the stream scales could be measured on every rank.
+    import inspect
+
+    from ln_lightning.placement import blend
+
+    lines, first = inspect.getsourcelines(blend.Transition.end_measurement)
+    measured = [c for c in syncs if c[2].startswith("blend.py:") and first <= int(c[2].split(":")[1]) < first + len(lines)]
+    assert len(measured) == (0 if resumed else 1) and all(c[0] <= 1 for c in measured), measured  # (step 0, at its end)
+    assert [c for c in syncs if c not in measured] == [], syncs
 
 
 # ---------------------------------------------------------------------------------------------- safe loading

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ln_lightning import LNLightningWarning
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import PlacementError, convert, transition
+from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.transition_control import endpoint_step
 from ln_lightning.plugin import LNPlacement, load_converted
 
@@ -734,3 +735,59 @@ def test_the_teacher_computes_the_trained_function_bit_for_bit(kind):
     with torch.no_grad():
         assert torch.equal(teacher(x), trained)  # and its blend, pinned at 0, is the same function
     assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+
+
+
+def test_the_default_transition_takes_a_training_step_without_batch_idx(tmp_path):
+    class NoBatchIdx(LM):  # Lightning passes batch_idx only to a training_step that takes it
+        def training_step(self, b):
+            loss = self._loss(b)
+            self.losses.append(loss.item())
+            return loss
+
+    module = NoBatchIdx("demo")
+    rec = KLRecorder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LNLightningWarning)
+        trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False), max_steps=3,
+                callbacks=[rec]).fit(module, train_dataloaders=loader())
+    assert rec.kl[1] is not None and "training_step" not in vars(module)
+
+
+def test_distillation_without_a_call_of_the_module_itself_is_reported(tmp_path):
+    class CallsInner(LM):  # training_step calls self.model(x), not self(x): no output of the module to distil
+        def _logits_and_loss(self, b):
+            x, y = b
+            logits = self.model(x)
+            return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    module = CallsInner("demo")
+    with pytest.warns(LNLightningWarning, match="without distillation.*did not call the LightningModule itself"):
+        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=2).fit(
+            module, train_dataloaders=loader())
+    assert "_ln_lightning_teacher" not in vars(rewrite_state.of(module).transition)  # its memory let go
+
+
+class _TwiceOnRank1(LM):
+    """On rank 1 only, the first step runs the model twice: that rank can't measure, the other can."""
+
+    def training_step(self, b, batch_idx):
+        loss = self._loss(b)
+        if self.global_rank == 1 and self.trainer.global_step == 0:
+            loss = loss + 0.0 * self._loss(b)
+        return loss
+
+
+@pytest.mark.slow
+def test_a_rank_that_cant_measure_sends_every_rank_to_the_plain_blend(tmp_path):
+    import json
+
+    from ln_lightning.testing.dist import DestroyProcessGroupAtExit
+
+    t = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+                default_root_dir=tmp_path, plugins=[LNPlacement("pre", transition_steps=3, fused=False, log_report=False)],
+                callbacks=[BlendFile(str(tmp_path)), DestroyProcessGroupAtExit()])
+    t.fit(_TwiceOnRank1("demo"), train_dataloaders=loader())  # no hang: both ranks reduce the same tensor
+    scales = [json.loads(Path(tmp_path, f"scales_rank{r}.json").read_text()) for r in range(2)]
+    assert scales[0] == scales[1] and set(scales[0].values()) == {1.0}  # the plain blend, on both ranks

@@ -128,6 +128,7 @@ class Transition(nn.Module):
                 state_dict[prefix + name] = torch.ones_like(getattr(self, name))
             state_dict[prefix + "scales_state"] = torch.tensor(2, dtype=torch.int64)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self.__dict__.pop("_ln_lightning_teacher", None)  # a distillation teacher of the weights held before (LNPlacement's)
         steps, kind = (int(v) for v in self.schedule.tolist())
         self.steps, self.kind = (steps if steps > 0 else None), SCHEDULES[kind]
         self._host_steps = None
@@ -207,74 +208,87 @@ class Transition(nn.Module):
             self._measuring.append(("error", slot, f"{type(e).__name__}: {e}"))
 
     def _measure_site(self, slot: int, norm: nn.Module, h: torch.Tensor) -> None:
+        from ln_lightning.placement.stream_scale import site_ratio
+
         with torch.no_grad():
-            x = h.detach().float()
-            eps = float(getattr(norm, "eps", None) or 0.0)
-            if isinstance(norm, nn.RMSNorm):
-                sigma = (x.pow(2).mean(-1) + eps).sqrt().mean()
-            else:
-                sigma = (x.var(-1, unbiased=False) + eps).sqrt().mean()
-            w = getattr(norm, "weight", None)
-            gain = w.detach().float().abs().mean() if isinstance(w, torch.Tensor) else torch.ones((), device=x.device)
-            self._measuring.append(("site", slot, sigma / gain.clamp_min(1e-6)))
+            self._measuring.append(("site", slot, site_ratio(norm, h)))
 
     def end_measurement(self, reduce=None) -> str | None:
-        """Turn what the forward recorded into the stream scales (on the device: no host synchronisation).
+        """Turn what the forward recorded into the stream scales, the same on every rank.
 
-        `reduce`: the mean over ranks of a tensor (data parallelism: every rank gets the same scales). Returns
-        None when the scales were set, else the reason they could not be (the transition then runs the plain
-        blend: every scale 1).
+        `reduce`: the mean over ranks of a tensor (data parallelism). Every rank reduces one tensor of the same
+        shape whatever it saw (each site's ratio where it ran exactly once, where it did, and whether its forward
+        could be used at all), so a rank whose forward skipped a layer (LayerDrop) or ran a site twice neither
+        stalls the others nor ends with other scales: a site takes the mean of the ranks that saw it, and if any
+        rank's forward can't be used, or a site ran on none, every rank runs the plain blend (every scale 1). One
+        read from the device, once per transition, says which. Returns None when the scales were set, else the
+        reason they could not be.
         """
         events, self._measuring = self._measuring, None
-        if events is None:
-            return "no forward was recorded"
-        errors = [r for kind, _, r in events if kind == "error"]
-        if errors:
-            self._set_plain()
-            return f"a site's statistics could not be computed ({errors[0]})"
+        n = len(self.sites)
+        dev = self.site_before.device
+        events = events or []
         order = [slot for kind, slot, _ in events if kind == "site"]
         counts = {slot: order.count(slot) for slot in set(order)}
-        missing = [k for k in range(len(self.sites)) if k not in counts]
-        repeated = [k for k, n in counts.items() if n != 1]
-        reason = None
-        if missing:
-            reason = f"{len(missing)} of {len(self.sites)} norm sites did not run in the first training forward"
-        elif repeated:
-            reason = (f"{len(repeated)} norm site(s) ran more than once in the first training forward (a shared layer, "
-                      "or several forwards per step); one scale per site can't describe them")
-        final_of: dict[int, int] = {}
+        final_of: dict[int, int] = {}  # an added final norm -> the site that ran just before it (its stack's last)
         last = None
         for kind, slot, _ in events:
             if kind == "site":
                 last = slot
-            elif last is not None:
+            elif kind == "final" and last is not None:
                 final_of.setdefault(slot, last)
-        if reason is None and len(final_of) != self.final_scale.numel():
+        reason = None  # why this rank's forward can't be used
+        errors = [r for kind, _, r in events if kind == "error"]
+        if not events:
+            reason = "no forward was recorded in the first training batch"
+        elif errors:
+            reason = f"a site's statistics could not be computed ({errors[0]})"
+        elif any(c != 1 for c in counts.values()):
+            reason = ("a norm site ran more than once in the first training forward (a shared layer, or several forwards "
+                      "per step); one scale per site can't describe it")
+        elif len(final_of) != self.final_scale.numel():
             reason = "an added final norm did not run after the blocks in the first training forward"
-        if reason is not None:
-            self._set_plain()
-            return reason
-        ratios = torch.stack([r for kind, _, r in events if kind == "site"])
+        else:
+            by_stack: dict[str, list[int]] = {}
+            for slot in order:
+                by_stack.setdefault(self.site_stack[slot], []).append(slot)
+            if any(slots != sorted(slots) for slots in by_stack.values()):
+                reason = "the blocks of a stack did not run in the order they are registered in"
+        ratio_of = {slot: r for kind, slot, r in events if kind == "site" and counts.get(slot) == 1}
+        local = torch.zeros(n, device=dev)
+        seen = torch.zeros(n, device=dev)
+        if ratio_of and reason is None:
+            idx = torch.tensor(sorted(ratio_of), device=dev)
+            local[idx] = torch.stack([ratio_of[k] for k in sorted(ratio_of)]).to(dev)
+            seen[idx] = 1.0
+        payload = torch.cat([local, seen, torch.tensor([0.0 if reason is None else 1.0], device=dev)])
         if reduce is not None:
-            ratios = reduce(ratios)
+            payload = reduce(payload)
+        total, count, failed = payload[:n], payload[n:2 * n], payload[2 * n]
+        ok = bool((failed == 0) & (count > 0).all())  # the one read: the same answer on every rank
+        if not ok:
+            self._set_plain()
+            return reason or "another rank's first training forward could not be used, or a site ran on no rank"
+        ratios = total / count
         # A degenerate site (a zero or non-finite ratio) keeps scale 1 there rather than a division by zero.
         ratios = torch.where(torch.isfinite(ratios) & (ratios > 0), ratios, torch.ones_like(ratios))
-        before = torch.ones(len(self.sites), device=ratios.device)
-        after = torch.ones(len(self.sites), device=ratios.device)
+        before = torch.ones(n, device=dev)
+        after = torch.ones(n, device=dev)
         stacks: dict[str, list[int]] = {}
-        for pos, slot in enumerate(order):
-            stacks.setdefault(self.site_stack[slot], []).append(pos)
-        for positions in stacks.values():
-            idx = torch.tensor(positions, device=ratios.device)
-            slots = torch.tensor([order[p] for p in positions], device=ratios.device)
+        for slot in range(n):  # slots are in module order: within a stack, the order its blocks run (checked above)
+            stacks.setdefault(self.site_stack[slot], []).append(slot)
+        last_of_stack = {}
+        for key, slots in stacks.items():
+            idx = torch.tensor(slots, device=dev)
             cp = torch.cumprod(ratios[idx], 0)
-            after[slots] = cp
-            before[slots] = torch.cat([torch.ones(1, device=ratios.device), cp[:-1]])
+            after[idx] = cp
+            before[idx] = torch.cat([torch.ones(1, device=dev), cp[:-1]])
+            last_of_stack[key] = slots[-1]
         with torch.no_grad():
             self.site_before.copy_(before)
             self.site_after.copy_(after)
             for f, site in final_of.items():
-                self.final_scale[f] = after[site]
+                self.final_scale[f] = after[last_of_stack[self.site_stack[site]]]
             for k, scale in enumerate(self.sites):
                 scale.c.copy_(before[k])
             self.scales_state.fill_(1)

@@ -379,10 +379,18 @@ def _on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, u
         if key in state_dict:
             theirs = decode_config(state_dict[key])
             if theirs != state.config:
+                stream = [c.get("branch_scale") == "stream" for c in (theirs or {}, state.config)]
+                hint = ""
+                if stream == [False, True]:  # written before the stream-scaled default, or with it turned off
+                    hint = (" LNPlacement(..., transition_steps=N) now scales the stream by default (branch_scale='stream'); "
+                            "to go on with a model written without it, pass transition_stream_scale=False.")
+                elif stream == [True, False]:  # migrated by the default transition, loaded by a plain LNPlacement
+                    hint = (" That model was migrated with the stream-scaled transition: pass branch_scale='stream' (its "
+                            "measured constants load with the weights).")
                 raise RuntimeError(
                     f"ln_lightning: the state_dict was saved from a model rewritten to {theirs}, but this model is rewritten "
                     f"to {state.config}. Use the same LNPlacement options as the run that wrote it (they are stored in "
-                    "checkpoint['ln_lightning']['config']), or ln_lightning.load_converted(...)."
+                    "checkpoint['ln_lightning']['config']), or ln_lightning.load_converted(...)." + hint
                 )
         elif any(k.startswith(_join(prefix, rel)) for k in state_dict):  # it holds weights for this owner
             unmarked.append((path, rel, key))

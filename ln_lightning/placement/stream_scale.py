@@ -29,6 +29,31 @@ import torch
 from torch import nn
 
 
+def norm_statistics(norm: nn.Module) -> tuple[torch.Tensor | None, float, bool]:
+    """(gain vector or None, eps, whether it is an RMS norm) of a norm, whatever its class spells them:
+    ``weight`` (torch, Hugging Face), ``gamma`` (x-transformers' LayerNorm, with its ``unit_offset``), ``g``
+    (x-transformers' RMSNorm); ``eps`` / ``variance_epsilon`` / ``epsilon``; RMS for ``nn.RMSNorm`` and any class
+    named ``*RMS*``. The stream scale divides by the mean absolute gain."""
+    gain = next((v for v in (getattr(norm, a, None) for a in ("weight", "gamma", "g")) if isinstance(v, torch.Tensor)), None)
+    if gain is not None and getattr(norm, "unit_offset", False):
+        gain = gain + 1.0
+    eps = next((float(v) for v in (getattr(norm, a, None) for a in ("eps", "variance_epsilon", "epsilon"))
+                if isinstance(v, (int, float))), 0.0)
+    rms = isinstance(norm, nn.RMSNorm) or "rms" in type(norm).__name__.lower()
+    return gain, eps, rms
+
+
+def site_ratio(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`sigma / mean|gamma|` of one norm's input `x` (0-dim, on x's device): sigma the mean over tokens of the
+    per-token std (RMS for an RMS norm), with the norm's own eps under the root."""
+    gain, eps, rms = norm_statistics(norm)
+    x = x.detach().float()
+    spread = x.pow(2).mean(-1) if rms else x.var(-1, unbiased=False)
+    sigma = (spread + eps).sqrt().mean()
+    g = gain.detach().float().abs().mean() if gain is not None else torch.ones((), device=x.device)
+    return sigma / g.clamp_min(1e-6)
+
+
 @torch.no_grad()
 def site_ratios(model: nn.Module, norms: Sequence[nn.Module], run: Callable[[nn.Module], object]) -> list[float]:
     """`sigma_k / mean|gamma_k|` for each norm in `norms` (the sites, in the order the stream passes them),
@@ -41,9 +66,7 @@ def site_ratios(model: nn.Module, norms: Sequence[nn.Module], run: Callable[[nn.
     seen: dict[int, torch.Tensor] = {}
 
     def hook(module, args):
-        x = args[0].detach().float()
-        eps = float(getattr(module, "eps", 0.0) or 0.0)
-        seen.setdefault(id(module), []).append((x.var(-1, unbiased=False) + eps).sqrt().mean())
+        seen.setdefault(id(module), []).append(site_ratio(module, args[0]))
 
     handles = [n.register_forward_pre_hook(hook) for n in norms]
     try:
@@ -56,9 +79,7 @@ def site_ratios(model: nn.Module, norms: Sequence[nn.Module], run: Callable[[nn.
         got = seen.get(id(n), [])
         if len(got) != 1:
             raise ValueError(f"site_ratios: norm {type(n).__name__} ran {len(got)} times in one forward; each site must run once")
-        w = getattr(n, "weight", None)
-        gain = w.detach().float().abs().mean() if isinstance(w, torch.Tensor) else torch.ones(())
-        out.append(float(got[0] / gain.clamp_min(1e-6)))
+        out.append(float(got[0]))
     return out
 
 
@@ -73,4 +94,4 @@ def cumulative_scales(ratios: Sequence[float]) -> list[float]:
     return c
 
 
-__all__ = ["cumulative_scales", "site_ratios"]
+__all__ = ["cumulative_scales", "norm_statistics", "site_ratio", "site_ratios"]

@@ -81,14 +81,17 @@ def trained_output(teacher: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def logits_of(output: Any) -> torch.Tensor | None:
     """The tensor a model's output predicts with: the output itself, its ``logits`` (a Hugging Face ModelOutput
-    or a dict), or the first element of a tuple; None if there is none."""
-    if isinstance(output, torch.Tensor):
-        return output
+    or a dict), or the first element of a tuple, if it is a floating tensor of scores over a last dimension of
+    several classes; None otherwise (a loss, one score per row, an integer tensor)."""
     if isinstance(output, dict):  # (ModelOutput is a dict)
         v = output.get("logits")
-        return v if isinstance(v, torch.Tensor) else None
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
+    elif isinstance(output, (tuple, list)) and output:
+        v = output[0]
+    else:
+        v = output
+    # Scores over classes: floating, with a last dimension of several classes (not a loss, not one score per row).
+    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2 and v.size(-1) > 1:
+        return v
     return None
 
 
