@@ -286,8 +286,8 @@ def train_one(job: str, seed: int, hp: dict, out: Path) -> dict:
             # model holds the scheduled one (what a validation or a checkpoint between steps sees): evaluate that.
             t = transition.active(pl_module)
             trains_at = None if t is None else t.blend.clone()
-            if t is not None and t.steps and plugin is not None:
-                t.blend.fill_(transition.schedule(t.host_steps / t.steps, t.kind))
+            if t is not None and plugin is not None:
+                t.hold()
             self.blend.append(transition.get_blend(pl_module))
             if (step - self.start) % hp["eval_every"] == 0:
                 self.evals.append((step, heldout_loss(pl_module, self.eval_x, self.eval_y)))

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from ln_lightning.placement import blend, hooks, transition
 from ln_lightning.placement.stream_scale import cumulative_scales, site_ratios
+from ln_lightning.placement.teacher import kl_to_teacher  # (re-exported for migrate_trained_drift)
 from ln_lightning.placement.transition_control import BlendPlan, DriftBudgetController, FunctionSpeedSchedule
 
 ATTR = blend.ATTR
@@ -270,13 +271,6 @@ class FrozenTeacher:
     @torch.no_grad()
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
-
-
-def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) per token, averaged (a 0-dim tensor; no host synchronisation)."""
-    t = F.log_softmax(teacher_logits.reshape(-1, teacher_logits.size(-1)).float(), -1)
-    s = F.log_softmax(student_logits.reshape(-1, student_logits.size(-1)).float(), -1)
-    return (t.exp() * (t - s)).sum(-1).mean()
 
 
 # ------------------------------------------------------------------------------ the callback

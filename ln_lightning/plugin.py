@@ -439,8 +439,7 @@ class LNPlacement(LayerSync, Callback):
             t = None if state is None else state.transition
             if t is not None:  # ended by an exception or an interrupt, perhaps in an endpoint step or its first forward
                 t._measuring = None
-                if t.steps:
-                    t.blend.fill_(transition.schedule(t.host_steps / t.steps, t.kind))  # the blend it holds
+                t.hold()
         self._run = None
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
@@ -505,7 +504,7 @@ class LNPlacement(LayerSync, Callback):
         done = t.host_steps
         # The blend the model holds, written from host arithmetic and logged as the device tensor it is: no
         # synchronisation per step (a Python float would be copied to the device, blocking, every step).
-        t.blend.fill_(transition.schedule(done / t.steps, t.kind))
+        t.hold()
         pl_module.log("ln_placement/transition", t.blend.clone(), on_step=True, on_epoch=False)
         if done == 0 and t.needs_measurement and not self._run.measured:
             t.begin_measurement()  # this forward runs at blend 0: the trained function's own statistics
@@ -535,7 +534,7 @@ class LNPlacement(LayerSync, Callback):
             self._warn_no_distillation(trainer, distill.off_reason)
         if not run.stepped:
             if t is not None and self.transition_steps is not None:
-                t.blend.fill_(transition.schedule(t.host_steps / t.steps, t.kind))  # held between micro-batches
+                t.hold()  # held between micro-batches
             return
         run.stepped = False
         if t is None or self.transition_steps is None:

@@ -43,16 +43,18 @@ EXPECTED_CHARTS = {
 }
 
 
-def _browser_or_skip() -> None:
+def browser_or_skip(what: str = "dashboard browser test") -> None:
+    """Skip, naming what is missing, where Chromium or playwright is absent; in CI that fails (the docs browser
+    test calls this too)."""
     missing = []
     if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
-        missing.append(f"Chromium at {CHROMIUM} (Debian: apt-get install -y chromium)")
+        missing.append(f"Chromium at {CHROMIUM} (Debian: apt-get install -y chromium; LN_LIGHTNING_CHROMIUM names another)")
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
         missing.append("the playwright Python package (pip install playwright; no browser download needed)")
     if missing:
-        message = "dashboard browser test needs " + " and ".join(missing)
+        message = f"{what} needs " + " and ".join(missing)
         if IN_CI:
             pytest.fail(message + " -- CI is set, so this is a failure, not a skip")
         pytest.skip(message)
@@ -138,7 +140,7 @@ def open_custom_scalars(url: str, screenshot: str | Path, charts=EXPECTED_CHARTS
 @pytest.mark.browser
 @pytest.mark.slow
 def test_custom_scalars_dashboard_renders_the_three_monitors(tmp_path):
-    _browser_or_skip()
+    browser_or_skip()
     from ln_lightning.testing.monitors import FixedBatchLM, all_monitors, make_data, make_trainer
 
     x, y = make_data(world=1, accum=2)

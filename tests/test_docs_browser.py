@@ -14,13 +14,12 @@ from __future__ import annotations
 import functools
 import http.server
 import os
-import shutil
 import sys
 import threading
 from pathlib import Path
 
 import pytest
-from test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, IN_CI
+from test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, browser_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDES = sorted((ROOT / "docs" / "guides").glob("*.md"))
@@ -37,18 +36,7 @@ def _needs_or_skip() -> None:
         if REQUIRE_DOCS:
             pytest.fail(message + " -- LN_LIGHTNING_REQUIRE_DOCS is set, so this is a failure, not a skip")
         pytest.skip(message)  # the suite's first run in .ci/run, before the docs extra is installed
-    missing = []
-    if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
-        missing.append(f"Chromium at {CHROMIUM} (Debian: apt-get install -y chromium; LN_LIGHTNING_CHROMIUM names another)")
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        missing.append("the playwright Python package (pip install playwright; no browser download needed)")
-    if missing:
-        message = "the docs site browser test needs " + " and ".join(missing)
-        if IN_CI:
-            pytest.fail(message + " -- CI is set, so this is a failure, not a skip")
-        pytest.skip(message)
+    browser_or_skip("the docs site browser test")
 
 
 def build_site(site_dir: Path) -> None:

@@ -146,6 +146,17 @@ class Transition(nn.Module):
             self._host_steps = int(self.steps_done)
         return self._host_steps
 
+    @property
+    def held(self) -> float:
+        """The scheduled blend after the steps done (host arithmetic): what the model holds between steps."""
+        return schedule(self.host_steps / self.steps, self.kind) if self.steps else float(self.blend)
+
+    def hold(self) -> None:
+        """Write the scheduled blend into the buffer (a device write from a host value: no synchronisation); a
+        transition without a schedule keeps the blend it was given."""
+        if self.steps:
+            self.blend.fill_(self.held)
+
     def set_progress(self, steps_done: int, blend: float) -> None:
         """Write the steps done and the blend (device writes from host values: no synchronisation)."""
         self._host_steps = int(steps_done)

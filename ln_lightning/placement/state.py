@@ -176,8 +176,7 @@ class RewriteState:
         t = self.transition
         if t is None:
             return None
-        done = t.host_steps
-        return done, t.steps, blend.schedule(done / t.steps, t.kind) if t.steps else float(t.blend)
+        return t.host_steps, t.steps, t.held
 
     def advance(self, root: nn.Module) -> float:
         """One optimizer step of the transition: the blend for the next one, ending the transition at its last
