@@ -139,6 +139,9 @@ def methods(hp: dict) -> dict:
         # the other placements (issue 20: the default must work for them too)
         "mix_scaled_endpoint": Migration(T, scaled=True, endpoint_fraction=0.25, placement="mix"),
         "peri_scaled_endpoint": Migration(T, scaled=True, endpoint_fraction=0.25, placement="peri"),
+        "peri_scaled_distill": Migration(T, scaled=True, distill=1.0, placement="peri"),
+        "peri_scaled_endpoint_distill": Migration(T, scaled=True, endpoint_fraction=0.25, distill=1.0, placement="peri"),
+        "peri_scaled_long_endpoint_distill": Migration(long, scaled=True, endpoint_fraction=0.25, distill=1.0, placement="peri"),
     }
 
 
@@ -154,10 +157,14 @@ def arms(hp: dict) -> dict:
            f"plugin_plain_{T}": {"kind": "plugin", "transition_steps": T,
                                  "options": {"transition_stream_scale": False, "transition_endpoint_fraction": 0.0,
                                              "transition_distill": 0.0}},
-           # the default transition to the other placements ("mix": stream-scaled too; "peri", "output": endpoint
+           # the default transition to the other placements ("mix", "peri": stream-scaled too; "output": endpoint
            # steps and distillation, no stream scales)
            f"plugin_mix_{T}": {"kind": "plugin", "transition_steps": T, "placement": "mix"},
            f"plugin_peri_{T}": {"kind": "plugin", "transition_steps": T, "placement": "peri"},
+           f"plugin_peri_{long}": {"kind": "plugin", "transition_steps": long, "placement": "peri"},
+           # peri's default before its stream scales: the plain blend with endpoint steps and distillation
+           f"plugin_peri_plain_{T}": {"kind": "plugin", "transition_steps": T, "placement": "peri",
+                                      "options": {"transition_stream_scale": False}},
            f"plugin_output_{T}": {"kind": "plugin", "transition_steps": T, "placement": "output"}}
     for name, m in methods(hp).items():
         out[name] = {"kind": "method", "method": m}

@@ -112,8 +112,8 @@ class LNPlacement(LayerSync, Callback):
             fit that ends before the transition says so. Any placement but ``"post"`` (which can't preserve a
             trained function: it only undoes a rewrite). At most ``2**63 - 1``.
         transition_schedule: ``"linear"`` (blend = t) or ``"cosine"`` (blend = (1 - cos(pi t)) / 2), t = steps done / N.
-        transition_stream_scale: with ``transition_steps`` to ``"pre"`` or ``"mix"`` and no ``branch_scale``: the
-            stream-scaled blend (on by default). A post-norm model divides its stream by each norm's scale, so an
+        transition_stream_scale: with ``transition_steps`` to ``"pre"``, ``"mix"`` or ``"peri"`` and no
+            ``branch_scale``: the stream-scaled blend (on by default). A post-norm model divides its stream by each norm's scale, so an
             older branch weighs less than a newer one; a plain pre-norm stream only adds, and the trained function
             moves by much more than the norms' move suggests (on the 12-layer study LM, KL 0.82 at the blend's end
             against 0.09 stream-scaled). Each converted branch ``k`` gets the constant ``C_k = prod sigma_i /
@@ -123,7 +123,13 @@ class LNPlacement(LayerSync, Callback):
             buffers ``<branch>_scale.c``: in every checkpoint and saved model; a native Hugging Face export
             needs plain pre-norm, so such a model is exported with its remote code). Where the scales can't be
             measured (a norm that runs more than once per forward, a site that doesn't run) the plain blend runs
-            and a warning says why. ``False``: the plain blend, ending at plain pre-norm.
+            and a warning says why. ``False``: the plain blend, ending at plain pre-norm. To ``"peri"`` the
+            constants go into the added output norms instead: each one's gain starts at ``C_k`` times the trained
+            branch output's spread (measured in the same forward), so its branch writes about what the
+            pre-norm endpoint's does, and the endpoint is plain peri-norm with those gains (parameters, trained
+            from there). What peri can't keep is each token's branch magnitude, which its output norms
+            normalise away (on the study LM, KL 0.30 to the trained function at the end of the blend, where
+            pre-norm's is 0.09).
         transition_endpoint_fraction: the fraction of the transition's optimizer steps (never the first) that
             train at blend 1, the function the transition ends at, while the model holds the scheduled blend
             between steps (what validation and checkpoints see). Picked by a hash of the step index: the same on
@@ -216,7 +222,7 @@ class LNPlacement(LayerSync, Callback):
             raise ValueError(f"LNPlacement: transition_endpoint_fraction must be a number in [0, 1), got {transition_endpoint_fraction!r}.")
         # The stream-scaled blend is a branch scale the transition measures (see transition_stream_scale).
         self.stream_scaled = (branch_scale == "stream" or (
-            transition_steps is not None and transition_stream_scale and branch_scale is None and placement in ("pre", "mix")))
+            transition_steps is not None and transition_stream_scale and branch_scale is None and placement in ("pre", "mix", "peri")))
         if self.stream_scaled:
             branch_scale = "stream"
         self.transition_endpoint_fraction = float(transition_endpoint_fraction)
@@ -556,7 +562,8 @@ class LNPlacement(LayerSync, Callback):
         reason = t.end_measurement(lambda x: trainer.strategy.reduce(x, reduce_op="mean"))
         if reason is None:  # (the values stay on the device: ln_lightning_transition.site_before, the branches' c)
             info(log, f"LNPlacement: stream scales measured on the first training batch ({t.site_before.numel()} branches); "
-                 "the branches keep their trained weights in the pre-norm stream.")
+                 f"the branches keep their trained weights in the {self.placement}-norm stream"
+                 + (" (each output norm's gain set from its branch)." if self.placement == "peri" else "."))
         elif trainer.is_global_zero:
             warn(f"LNPlacement: the stream scales could not be measured ({reason}); the transition runs the plain blend "
                  "(every branch scale 1), whose function moves more near its end. Pass transition_stream_scale=False to "

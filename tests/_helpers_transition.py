@@ -155,9 +155,41 @@ def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "
     stacks: dict[str, list[int]] = {}
     for i, p in enumerate(order):
         stacks.setdefault(_stack_of(p), []).append(i)
+    spreads = _branch_spreads(ref, unconverted, scaled, x) if placement == "peri" else {}
     with torch.no_grad():
         for idx in stacks.values():
             c = cumulative_scales([ratios[i] for i in idx])
             for j, i in enumerate(idx):
-                scaled[order[i]].c.fill_(c[j])
+                if placement == "peri":  # the output norm's gain: C_k times the trained branch output's spread
+                    scaled[order[i]].weight.fill_(c[j] * spreads[order[i]])
+                else:
+                    scaled[order[i]].c.fill_(c[j])
     return ref
+
+
+def _branch_spreads(ref: nn.Module, unconverted: nn.Module, scaled: dict, x: torch.Tensor) -> dict:
+    """Per site (its norm's path): the per-token standard deviation of the trained branch's output, averaged, read
+    by forward hooks on the *unconverted* model's exit modules (where `ref`'s output norms are applied)."""
+    from ln_lightning.placement import hooks
+
+    exit_of = {id(h.norm): p for p, m in ref.named_modules() for h in m._forward_hooks.values()
+               if isinstance(h, hooks.NormalizeBranchOutput)}
+    modules = dict(unconverted.named_modules())
+    spreads, handles = {}, []
+    for site, out_norm in scaled.items():
+        def grab(mod, args, out, site=site):
+            v = out[0] if isinstance(out, tuple) else out
+            spreads[site] = v.float().std(-1, unbiased=False).mean().item()
+
+        handles.append(modules[exit_of[id(out_norm)]].register_forward_hook(grab))
+    was = unconverted.training
+    unconverted.train()
+    try:
+        with torch.no_grad():
+            unconverted(x)
+    finally:
+        for h in handles:
+            h.remove()
+        unconverted.train(was)
+    assert sorted(spreads) == sorted(scaled), "each branch exit runs once"
+    return spreads

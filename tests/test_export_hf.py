@@ -230,6 +230,29 @@ def test_a_stream_scaled_transition_saves_mid_way_and_once_it_ended(tmp_path):
     assert rel(output(remote, {"input_ids": ids}), expected) <= TOL
 
 
+def test_a_stream_scaled_peri_transition_saves_mid_way_and_once_it_ended(tmp_path):
+    model = trained_looking(T.BertForMaskedLM(T.BertConfig(**{**H, "num_hidden_layers": 3})).eval())
+    inputs = {"input_ids": BY_NAME["bert"].inputs()["input_ids"]}
+    transition.begin(model, "peri", branch_scale="stream", steps=5)
+    assert transition.measure_stream_scales(model, lambda: model(**inputs)) is None
+    t = rewrite_state.of(model).transition
+    assert t.scaled and not torch.equal(t.site_before, torch.ones_like(t.site_before))
+    t.set_progress(3, 0.6)
+    expected = output(model.eval(), inputs)
+    model.save_pretrained(tmp_path / "mid")
+    remote = T.AutoModelForMaskedLM.from_pretrained(tmp_path / "mid", trust_remote_code=True).eval()
+    assert rel(output(remote, inputs), expected) <= TOL
+    assert rel(output(from_pretrained(tmp_path / "mid"), inputs), expected) <= TOL
+    with torch.no_grad():  # the scales matter at the output norms too: with every one 1 the model computes another function
+        t.site_before.fill_(1.0)
+        assert rel(output(model, inputs), expected) > 1e-4
+    transition.finish(model)  # plain peri-norm, the measured gains in its output norms (parameters)
+    expected = output(model, inputs)
+    model.save_pretrained(tmp_path / "end")
+    remote = T.AutoModelForMaskedLM.from_pretrained(tmp_path / "end", trust_remote_code=True).eval()
+    assert rel(output(remote, inputs), expected) <= TOL
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 def test_what_save_pretrained_refuses(tmp_path):
     plain = T.BertModel(T.BertConfig(**H))

@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from ln_lightning import LNLightningWarning
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import PlacementError, convert, transition
+from ln_lightning.placement import blend as placement_blend
+from ln_lightning.placement import hooks as placement_hooks
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.transition_control import endpoint_step
 from ln_lightning.plugin import LNPlacement, load_converted
@@ -666,6 +668,100 @@ def test_stream_scaled_blend_without_a_trainer_is_exact_at_both_ends(kind):
         assert torch.equal(model(x), at_one) and transition.leftovers(model) == []
     with pytest.raises(PlacementError, match="not in a stream-scaled transition"):
         transition.measure_stream_scales(model, lambda: model(probe))
+
+
+@pytest.mark.parametrize("kind", ["demo", "bert"])
+def test_stream_scaled_peri_blend_is_exact_at_both_ends_and_keeps_the_function_mid_way(kind):
+    model = make(kind)
+    with torch.no_grad():  # trained-looking gains: the stream's constants C_k well above 1
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.2, 0.4)
+    unconverted = copy.deepcopy(model)
+    x, probe = batch(3), batch(1)
+    with torch.no_grad():
+        post = model(x)
+    transition.begin(model, "peri", branch_scale="stream")
+    assert transition.measure_stream_scales(model, lambda: model(probe)) is None
+    model_mid = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), post)  # a = 0: bit for bit the trained function
+        transition.set_blend(model, 0.5)
+        mid = model(x)
+        transition.set_blend(model, 1.0)
+        at_one = model(x)
+    # The endpoint: peri-norm whose output norms' gains are C_k times the trained branch's spread, computed here
+    # from hooks on the unconverted model.
+    reference = stream_reference(unconverted, probe, "peri")
+    with torch.no_grad():
+        assert rel(at_one, reference(x)) <= 1e-5
+        transition.finish(model)
+        assert torch.equal(model(x), at_one) and transition.leftovers(model) == []
+    # Mid-way each branch writes about D_k times what it wrote before (D_k = (1-a) + a*C_k), as the pre-norm
+    # stream-scaled blend's branches do: the two blends stay close (the first form tried, (1-a)*D_k*v + a*N_out(v),
+    # was 0.14 off at a = 0.25 on the demo LM; this one 0.017).
+    pre = copy.deepcopy(unconverted)
+    transition.begin(pre, "pre", branch_scale="stream")
+    assert transition.measure_stream_scales(pre, lambda: pre(probe)) is None
+    for a in (0.25, 0.5):
+        transition.set_blend(pre, a)
+        transition.set_blend(model_mid, a)
+        with torch.no_grad():
+            assert rel(model_mid(x), pre(x)) <= 0.1 * a
+    # The plain blend, with identity output norms, moves the function far more.
+    plain = copy.deepcopy(unconverted)
+    transition.begin(plain, "peri", steps=4)
+    transition.set_blend(plain, 0.5)
+    with torch.no_grad():
+        assert rel(mid, post) < 0.5 * rel(plain(x), post)
+
+
+def test_stream_scaled_peri_without_output_gains_runs_the_plain_blend_and_says_why():
+    model = make("demo")
+    for block in model.blocks:  # norms without an affine gain: the output norms can't hold a stream scale
+        block.ln1, block.ln2 = nn.LayerNorm(32, elementwise_affine=False), nn.LayerNorm(32, elementwise_affine=False)
+    plain = copy.deepcopy(model)
+    transition.begin(model, "peri", branch_scale="stream")
+    reason = transition.measure_stream_scales(model, lambda: model(batch(1)))
+    assert reason is not None and "no gain" in reason
+    transition.begin(plain, "peri")
+    x = batch(3)
+    for a in (0.5, 1.0):
+        transition.set_blend(model, a), transition.set_blend(plain, a)
+        with torch.no_grad():
+            assert torch.equal(model(x), plain(x))
+
+
+def test_plugin_peri_transition_measures_the_output_gains_and_resumes(tmp_path):
+    module = LM("demo", lr=0.0)  # lr 0: the weights stay, so the end is the measured endpoint itself
+    unconverted = copy.deepcopy(module.model)
+    trainer(tmp_path / "a", LNPlacement("peri", transition_steps=2, fused=False, log_report=False, **HELD), max_steps=3).fit(
+        module, train_dataloaders=loader())
+    assert transition.active(module) is None and transition.leftovers(module) == []
+    reference = stream_reference(unconverted, batch(1), "peri")
+    x = batch(3)
+    with torch.no_grad():
+        assert rel(module.model.eval()(x), reference.eval()(x)) <= 1e-5
+    # Resumed mid-way (the gains are parameters, the constants the transition's buffers): the uninterrupted weights.
+    plugin = lambda: LNPlacement("peri", transition_steps=4, fused=False, log_report=False)  # noqa: E731
+    straight = LM("demo")
+    trainer(tmp_path / "b", plugin(), max_steps=6).fit(straight, train_dataloaders=loader())
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1)
+    first = LM("demo")
+    trainer(tmp_path / "c", plugin(), max_steps=2, callbacks=[ckpt]).fit(first, train_dataloaders=loader())
+    path = next((tmp_path / "ck").glob("*step=2*.ckpt"))
+    loaded = load_converted(LM("demo"), path)  # mid-way, for inference: the blend and the measured gains
+    assert transition.get_blend(loaded) == 0.5
+    with torch.no_grad():
+        assert rel(loaded.model(batch(3)), first.model.eval()(batch(3))) <= 1e-6
+    resumed = LM("demo")
+    trainer(tmp_path / "d", plugin(), max_steps=6).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
+    gains = [v for k, v in a.items() if k.endswith("out_norm.weight")]
+    assert gains and all(not torch.allclose(g, torch.ones_like(g)) for g in gains)
 
 
 def test_plugin_mix_transition_scales_the_converted_blocks_only(tmp_path):

@@ -208,7 +208,9 @@ def test_plugin_transition_to_peri_keeps_the_loss_then_ends_at_the_conversion(tm
     steps = 4
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps + 1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-                      default_root_dir=tmp_path, plugins=[LNPlacement("peri", transition_steps=steps, fused=False)])
+                      default_root_dir=tmp_path,
+                      # the plain blend, ending at identity output norms (the stream-scaled default: test_transition.py)
+                      plugins=[LNPlacement("peri", transition_steps=steps, fused=False, transition_stream_scale=False)])
     trainer.fit(lm, data)
     assert abs(lm.losses[0] - loss_of(unconverted)) <= 1e-6 * abs(loss_of(unconverted))
     assert transition.active(lm.model) is None and transition.leftovers(lm.model) == []

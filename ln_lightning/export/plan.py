@@ -60,6 +60,7 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
         plan["stream"] = {
             "sites": sorted([p, m.__dict__[blend.SITE_ATTR]] for p, m in model.named_modules() if blend.SITE_ATTR in m.__dict__),
             "finals": sorted([p, m.__dict__[blend.FINAL_ATTR]] for p, m in model.named_modules() if blend.FINAL_ATTR in m.__dict__),
+            "outs": sorted([p, m.__dict__[blend.OUT_ATTR]] for p, m in model.named_modules() if blend.OUT_ATTR in m.__dict__),
         }
         if len(plan["stream"]["sites"]) != transition.site_before.numel() or len(plan["stream"]["finals"]) != transition.final_scale.numel():
             raise PlacementError("the transition's stream-scaled sites are not all inside the model being saved (a "

@@ -35,6 +35,7 @@ SCHEDULES = ("linear", "cosine")
 # --------------------------------------------------------------------------------------------- the blend
 SITE = "_ln_lightning_site"  # on a stream-scaled site's norm: its index in the transition's scales
 FINAL = "_ln_lightning_final"  # on an added final norm of a stream-scaled transition: its index
+OUT = "_ln_lightning_site_out"  # on a stream-scaled peri output norm: the index of the site its branch reads
 
 
 class Transition(nn.Module):
@@ -69,6 +70,15 @@ class Transition(nn.Module):
     def final_divisor(self, final, like):
         slot = final.__dict__.get(FINAL)
         return None if slot is None else _ramp(self.a(like), self.final_scale[slot])
+
+    def branch_exit(self, norm, value, y):
+        a = self.a(value)
+        slot = norm.__dict__.get(OUT)
+        if slot is None:
+            return (1 - a) * value + a * y
+        c = self.site_before[slot].to(a.dtype)
+        d = _ramp(a, c)
+        return (1 - a) * (d * value) + (a * d / c) * y
 
 
 def _ramp(a, c):
@@ -203,7 +213,7 @@ class NormalizeBranchOutput:
         value = output if self.index is None else output[self.index]
         y = self.norm.normalize(value) if self.deferred else self.norm(value)
         if self.transition is not None:
-            y = _mix(self.transition, value, y)
+            y = self.transition.branch_exit(self.norm, value, y)
         return _with_branch_value(output, self.index, y)
 
 
@@ -332,7 +342,7 @@ def _added_module(model, spec):
 def install(model, plan):
     """Make `model` (just built by its Hugging Face class) compute what the rewrite described by `plan` computes."""
     transition = None
-    stream = plan.get("stream") or {"sites": [], "finals": []}
+    stream = {"sites": [], "finals": [], "outs": [], **(plan.get("stream") or {})}
     if plan.get("transition"):
         transition = Transition(len(stream["sites"]), len(stream["finals"]))
         model.add_module(TRANSITION, transition)
@@ -342,6 +352,8 @@ def install(model, plan):
         _get(model, path).__dict__[SITE] = slot
     for path, slot in stream["finals"]:
         _get(model, path).__dict__[FINAL] = slot
+    for path, slot in stream["outs"]:
+        _get(model, path).__dict__[OUT] = slot
     for owner, size in plan["markers"]:
         _get(model, owner).register_buffer(MARKER, torch.zeros(size, dtype=torch.uint8), persistent=True)
     for path, blended in plan["deferred"]:

@@ -53,6 +53,7 @@ ATTR = "ln_lightning_transition"  # the root's submodule, and the deferred norms
 _PREV_CLASS = "_ln_lightning_pre_transition_class"
 SITE_ATTR = "_ln_lightning_site"  # on a scaled site's norm: its index in the transition's scales
 FINAL_ATTR = "_ln_lightning_final"  # on an added final norm of a scaled transition: its index
+OUT_ATTR = "_ln_lightning_site_out"  # on a scaled peri output norm: the index of the site its branch reads
 SCHEDULES = ("linear", "cosine")
 # The largest transition_steps the int64 step counter holds (and the schedule buffer stores).
 MAX_STEPS = 2**63 - 1
@@ -101,7 +102,9 @@ class Transition(nn.Module):
         # (`begin_measurement` / `end_measurement`), then held in every checkpoint: a resume must not measure
         # them again on weights that have moved. `scales_state`: 0 to measure, 1 measured, 2 not scaled (C = 1:
         # the plain blend).
-        self.sites = [None] * sites  # the BranchScale of each site (its c is C_k; filled by `start`)
+        # Each site's BranchScale (pre: its c is C_k) or added output norm (peri: its gain is C_k times the trained
+        # branch output's spread); filled by `start`.
+        self.sites = [None] * sites
         self.site_stack: list[str] = [""] * sites  # which stack each site is in (C restarts at 1 in each)
         self.register_buffer("site_before", torch.ones(sites, dtype=torch.float32, device=device), persistent=True)
         self.register_buffer("site_after", torch.ones(sites, dtype=torch.float32, device=device), persistent=True)
@@ -224,6 +227,22 @@ class Transition(nn.Module):
         with torch.no_grad():
             self._measuring.append(("site", slot, site_ratio(norm, h)))
 
+    def branch_exit(self, norm: nn.Module, value: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A peri output norm's exit, `y = N_out(value)`: `(1-a) * value + a * y`, or on a scaled site
+        `(1-a) * D_k * value + (a * D_k / C_k) * y` (D_k = (1-a) + a*C_k): about `D_k * value` at every blend, as the
+        pre-norm blend's branch writes, once the norm's gain holds C_k times the branch's spread; exactly `value` at
+        a = 0 and exactly `y` at a = 1 (`C_k / C_k` is 1)."""
+        a = self.a(value)
+        slot = norm.__dict__.get(OUT_ATTR)
+        if slot is None:
+            return (1 - a) * value + a * y
+        if self._measuring is not None and _recording():
+            with torch.no_grad():  # the trained branch output's spread per token, averaged (its a = 0 value)
+                self._measuring.append(("out", slot, value.detach().float().std(-1, unbiased=False).mean()))
+        c = self.site_before[slot].to(a.dtype)
+        d = _ramp(a, c)
+        return (1 - a) * (d * value) + (a * d / c) * y
+
     def end_measurement(self, reduce=None) -> str | None:
         """Turn what the forward recorded into the stream scales, the same on every rank.
 
@@ -265,17 +284,30 @@ class Transition(nn.Module):
                 by_stack.setdefault(self.site_stack[slot], []).append(slot)
             if any(slots != sorted(slots) for slots in by_stack.values()):
                 reason = "the blocks of a stack did not run in the order they are registered in"
+        outs = [k for k, m in enumerate(self.sites) if m.__dict__.get(OUT_ATTR) is not None]  # peri's output norms
+        out_order = [slot for kind, slot, _ in events if kind == "out"]
+        if reason is None and (sorted(out_order) != sorted(set(out_order)) or (out_order and set(out_order) != set(outs))):
+            reason = "a branch with an output norm ran more than once, or not at all, in the first training forward"
+        if reason is None and outs:
+            ungained = [k for k in outs if not isinstance(getattr(self.sites[k], "weight", None), torch.Tensor)]
+            if ungained:
+                reason = "an output norm has no gain (elementwise_affine=False) to hold its branch's stream scale"
         ratio_of = {slot: r for kind, slot, r in events if kind == "site" and counts.get(slot) == 1}
+        spread_of = {slot: r for kind, slot, r in events if kind == "out"}
         local = torch.zeros(n, device=dev)
         seen = torch.zeros(n, device=dev)
+        spread = torch.zeros(n, device=dev)
         if ratio_of and reason is None:
             idx = torch.tensor(sorted(ratio_of), device=dev)
             local[idx] = torch.stack([ratio_of[k] for k in sorted(ratio_of)]).to(dev)
             seen[idx] = 1.0
-        payload = torch.cat([local, seen, torch.tensor([0.0 if reason is None else 1.0], device=dev)])
+            if spread_of:
+                idx = torch.tensor(sorted(spread_of), device=dev)
+                spread[idx] = torch.stack([spread_of[k] for k in sorted(spread_of)]).to(dev)
+        payload = torch.cat([local, seen, spread, torch.tensor([0.0 if reason is None else 1.0], device=dev)])
         if reduce is not None:
             payload = reduce(payload)
-        total, count, failed = payload[:n], payload[n:2 * n], payload[2 * n]
+        total, count, spread, failed = payload[:n], payload[n:2 * n], payload[2 * n:3 * n], payload[3 * n]
         ok = bool((failed == 0) & (count > 0).all())  # the one read: the same answer on every rank
         if not ok:
             self._set_plain()
@@ -301,7 +333,10 @@ class Transition(nn.Module):
             for f, site in final_of.items():
                 self.final_scale[f] = after[last_of_stack[self.site_stack[site]]]
             for k, scale in enumerate(self.sites):
-                scale.c.copy_(before[k])
+                if k in outs:  # N_out(v) ~ C_k * v: a gain of C_k times the spread it normalises away
+                    _set_gain(scale, before[k] * spread[k] / count[k])
+                else:
+                    scale.c.copy_(before[k])
             self.scales_state.fill_(1)
         self._host_scales_state = 1
         return None
@@ -311,9 +346,23 @@ class Transition(nn.Module):
             for b in (self.site_before, self.site_after, self.final_scale):
                 b.fill_(1.0)
             for scale in self.sites:
-                scale.c.fill_(1.0)
+                if scale.__dict__.get(OUT_ATTR) is None:
+                    scale.c.fill_(1.0)  # (an output norm keeps the identity gain it was built with)
             self.scales_state.fill_(2)
         self._host_scales_state = 2
+
+
+def _set_gain(norm: nn.Module, gain: torch.Tensor) -> None:
+    """Set an output norm's gain to `gain` (every channel), its bias to 0, whatever the class stores (Gemma's
+    `1 + w` stores gain - 1)."""
+    from ln_lightning.norm import kinds
+
+    spec = kinds.recognize_norm(norm)
+    w = norm.weight
+    w.copy_((gain - 1.0 if spec is not None and spec.unit_offset else gain).to(w.dtype).expand_as(w))
+    b = getattr(norm, "bias", None)
+    if isinstance(b, torch.Tensor):
+        b.zero_()
 
 
 def _ramp(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -349,7 +398,8 @@ class BlendNormalizeBranchOutput(hooks.NormalizeBranchOutput):
 
     def normalized(self, value: torch.Tensor) -> torch.Tensor:
         with hooks.weighted(self.norm, self.transition.blend):
-            return _mix(self.transition, value, super().normalized(value))
+            y = super().normalized(value)
+        return self.transition.branch_exit(self.norm, value, y)
 
 
 class BlendScaleBranchOutput(hooks.ScaleBranchOutput):
@@ -494,6 +544,8 @@ def start(model: nn.Module, converted: Iterable[tuple[str, bool]], added: Iterab
     for k, m in enumerate(sites):
         m.__dict__[SITE_ATTR] = k
         t.sites[k], t.site_stack[k] = scales[k], stacks[k]
+        if isinstance(scales[k], norm_types()):  # peri: the output norm whose gain the measurement sets
+            scales[k].__dict__[OUT_ATTR] = k
     for block in blocks:
         if type(block) in enc + dec:
             block.__dict__[_PREV_CLASS] = type(block)
@@ -530,6 +582,7 @@ def finish(model: nn.Module) -> None:
             del m.__dict__[ATTR]
         m.__dict__.pop(SITE_ATTR, None)
         m.__dict__.pop(FINAL_ATTR, None)
+        m.__dict__.pop(OUT_ATTR, None)
         if m.__dict__.get(hooks.WEIGHT_ATTR) is t:
             del m.__dict__[hooks.WEIGHT_ATTR]
         prev = m.__dict__.pop(_PREV_CLASS, None)
@@ -558,11 +611,11 @@ def leftovers(model: nn.Module) -> list[str]:
         blend_hooks = [h for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()
                        if isinstance(h, (*_PLAIN_CLASS, BlendFinalNorm))]
         if (ATTR in m.__dict__ or _PREV_CLASS in m.__dict__ or hooks.WEIGHT_ATTR in m.__dict__
-                or SITE_ATTR in m.__dict__ or FINAL_ATTR in m.__dict__
+                or SITE_ATTR in m.__dict__ or FINAL_ATTR in m.__dict__ or OUT_ATTR in m.__dict__
                 or isinstance(m, (Transition, BlendEncoderLayer, BlendDecoderLayer))
                 or blend_hooks):
             out.append(path or "<root>")
     return out
 
 
-__all__ = ["ATTR", "MAX_STEPS", "SCHEDULES", "Transition", "active", "check_schedule_args", "finish", "leftovers", "schedule", "start"]
+__all__ = ["ATTR", "MAX_STEPS", "OUT_ATTR", "SCHEDULES", "Transition", "active", "check_schedule_args", "finish", "leftovers", "schedule", "start"]

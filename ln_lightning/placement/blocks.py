@@ -29,7 +29,8 @@ from ln_lightning.placement.report import BlockInfo, SublayerInfo
 from ln_lightning.placement.scale import BranchScale
 
 
-STREAM_SITE_ATTR = "ln_lightning_stream_site"  # on a branch_scale="stream" BranchScale: the norm its branch reads
+# On a branch_scale="stream" BranchScale (pre) or added output norm (peri): the norm whose stream its branch reads.
+STREAM_SITE_ATTR = "ln_lightning_stream_site"
 
 
 class ScaleFactory:
@@ -442,6 +443,10 @@ class HookedHandler(Handler):
                 hooks.defer_norm(norm)
             if target == "peri":
                 out = fresh_norm_like(norm)
+                if scales.kind == "stream" and s.written == "post":
+                    # The stream-scaled transition to peri (placement/blend.py) measures this norm's gain: the
+                    # stream's constant C_k there times the trained branch output's spread.
+                    out.__dict__[STREAM_SITE_ATTR] = norm
                 added.append(self._add(self._out_norm_name(s), out))
                 self._get(p.exit_module).register_forward_hook(hooks.NormalizeBranchOutput(out, p.exit_index, deferred=False))
             if target == "output":

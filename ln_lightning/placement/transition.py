@@ -40,7 +40,7 @@ With a Trainer: `LNPlacement(placement, transition_steps=N, transition_schedule=
 default also scales the stream (below), trains a quarter of the steps at blend 1 and distils towards the trained
 function (`transition_stream_scale`, `transition_endpoint_fraction`, `transition_distill`).
 
-The stream-scaled blend (`branch_scale="stream"`, post-norm to "pre" or "mix"): a post-norm model divides its
+The stream-scaled blend (`branch_scale="stream"`, post-norm to "pre", "mix" or "peri"): a post-norm model divides its
 stream by every norm's scale, so an older branch weighs less than a newer one; a plain pre-norm stream only adds.
 Branch k gets the constant `C_k = prod sigma_i / |gamma_i|` over the norms before it in its stack (measured once,
 at blend 0: `measure_stream_scales`), and with `D = (1-a) + a*C` each place computes
@@ -51,7 +51,12 @@ at blend 0: `measure_stream_scales`), and with `D = (1-a) + a*C` each place comp
     fin = (1-a) * s / D_K + a * LN_f(s)    at an added final norm
 
 exact at both ends as above: at a = 1 it is `convert(model, "pre", branch_scale="stream")` with the measured
-constants (persistent buffers). Without a Trainer::
+constants (persistent buffers). To "peri" the branch's value `v` instead enters as
+
+    D_k * ((1-a) * v + (a / C_k) * N_out(v))   at the branch's exit (exactly N_out(v) at a = 1)
+
+with the output norm's gain set, by the same measurement, to C_k times the trained `v`'s per-token spread: the
+end is plain peri-norm with those gains. Without a Trainer::
 
     transition.begin(model, "pre", branch_scale="stream")
     transition.measure_stream_scales(model, lambda: model(batch))
@@ -119,7 +124,8 @@ def begin(model: nn.Module, placement: str = "pre", *, steps: int | None = None,
 def measure_stream_scales(model: nn.Module, run, reduce=None) -> str | None:
     """Measure a stream-scaled transition's branch constants (``begin(model, "pre", branch_scale="stream")``)
     on one forward, `run()` (e.g. ``lambda: model(batch)``), at blend 0: each branch gets ``C_k = prod sigma_i /
-    |gamma_i|`` of the norms before it in its stack. `reduce`: the mean over ranks of a tensor, under data
+    |gamma_i|`` of the norms before it in its stack (to "peri": each output norm's gain, ``C_k`` times its branch's
+    trained per-token spread, from the same forward). `reduce`: the mean over ranks of a tensor, under data
     parallelism. Returns None, or the reason the scales could not be measured (the transition then runs the
     plain blend). LNPlacement does this on the first training batch.
     """
