@@ -723,7 +723,7 @@ def test_stream_scaled_peri_without_output_gains_runs_the_plain_blend_and_says_w
     plain = copy.deepcopy(model)
     transition.begin(model, "peri", branch_scale="stream")
     reason = transition.measure_stream_scales(model, lambda: model(batch(1)))
-    assert reason is not None and "no gain" in reason
+    assert reason is not None and "no `weight` gain" in reason
     transition.begin(plain, "peri")
     x = batch(3)
     for a in (0.5, 1.0):

@@ -286,12 +286,13 @@ class Transition(nn.Module):
                 reason = "the blocks of a stack did not run in the order they are registered in"
         outs = [k for k, m in enumerate(self.sites) if m.__dict__.get(OUT_ATTR) is not None]  # peri's output norms
         out_order = [slot for kind, slot, _ in events if kind == "out"]
-        if reason is None and (sorted(out_order) != sorted(set(out_order)) or (out_order and set(out_order) != set(outs))):
+        if reason is None and (len(out_order) != len(set(out_order)) or set(out_order) != set(outs)):
             reason = "a branch with an output norm ran more than once, or not at all, in the first training forward"
         if reason is None and outs:
             ungained = [k for k in outs if not isinstance(getattr(self.sites[k], "weight", None), torch.Tensor)]
             if ungained:
-                reason = "an output norm has no gain (elementwise_affine=False) to hold its branch's stream scale"
+                reason = ("an output norm has no `weight` gain (elementwise_affine=False, or a class that names it "
+                          "otherwise) to hold its branch's stream scale")
         ratio_of = {slot: r for kind, slot, r in events if kind == "site" and counts.get(slot) == 1}
         spread_of = {slot: r for kind, slot, r in events if kind == "out"}
         local = torch.zeros(n, device=dev)
@@ -358,11 +359,16 @@ def _set_gain(norm: nn.Module, gain: torch.Tensor) -> None:
     from ln_lightning.norm import kinds
 
     spec = kinds.recognize_norm(norm)
-    w = norm.weight
-    w.copy_((gain - 1.0 if spec is not None and spec.unit_offset else gain).to(w.dtype).expand_as(w))
+    # One value for every channel: each shard of a sharded (DTensor) weight is filled with it in place.
+    w = _local(norm.weight)
+    w.fill_((gain - 1.0 if spec is not None and spec.unit_offset else gain).to(device=w.device, dtype=w.dtype))
     b = getattr(norm, "bias", None)
     if isinstance(b, torch.Tensor):
-        b.zero_()
+        _local(b).zero_()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _ramp(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
