@@ -3,7 +3,8 @@
 Copies of one model with the same weights: plain `convert(model, "pre")` (the reference), the plain blend
 at 0.5, the stream-scaled blend at 0.5 (LNPlacement's default, `branch_scale="stream"`), the same with the
 teacher forward and KL term of `transition_distill` (the default step during a transition), and the
-stream-scaled model after `finish` (pre-norm with its branch scales: the step after the transition). A training
+stream-scaled model after `finish` (pre-norm with its branch scales: the step after the transition). For the demo
+LM also `convert(model, "peri")` and the default step of a transition to it (a peri step after it). A training
 step is forward + backward + AdamW step on the same batch. The arms alternate in short blocks in one process,
 each block between two blocks of the plain pre-norm arm, so load from other processes hits them alike; the
 median of the paired ratios is reported (robust on a shared machine).
@@ -61,8 +62,18 @@ def arms(model: nn.Module, example) -> dict[str, tuple[nn.Module, nn.Module | No
     transition.set_blend(scaled, 0.5)
     finished = copy.deepcopy(scaled)
     transition.finish(finished)  # pre-norm with the measured branch scales
-    return {"pre": (plain, None), "plain blend": (blended, None), "stream-scaled blend": (scaled, None),
-            "stream-scaled blend + teacher (default)": (scaled, teacher), "finished": (finished, None)}
+    out = {"pre": (plain, None), "plain blend": (blended, None), "stream-scaled blend": (scaled, None),
+           "stream-scaled blend + teacher (default)": (scaled, teacher), "finished": (finished, None)}
+    # To peri (hooked blocks only: torch's layers have no peri form): its conversion, and its default step.
+    peri = copy.deepcopy(model)
+    if convert(peri, "peri", example_input=example).converted:
+        to_peri = copy.deepcopy(model)
+        transition.begin(to_peri, "peri", branch_scale="stream", example_input=example)
+        assert transition.measure_stream_scales(to_peri, lambda: to_peri(example)) is None
+        peri_teacher = frozen_copy(to_peri)
+        transition.set_blend(to_peri, 0.5)
+        out.update({"peri": (peri, None), "peri stream-scaled blend + teacher (default)": (to_peri, peri_teacher)})
+    return out
 
 
 def make_step(model: nn.Module, x: torch.Tensor, teacher: nn.Module | None = None):

@@ -130,12 +130,13 @@ def bench_convert() -> str:
 def bench_transition() -> str:
     d = load("bench_transition")
     rows = d["rows"]
-    arms = [a for a in rows[0]["ratio_vs_pre"]]  # in the order the benchmark ran them
+    arms = list(dict.fromkeys(a for r in rows for a in r["ratio_vs_pre"]))  # in the order the benchmark ran them
     lines = ["| model | ms per step: pre-norm | " + " | ".join(f"{a} / pre-norm" for a in arms) + " |",
              "|---|---|" + "---|" * len(arms)]
-    for r in rows:
+    for r in rows:  # (an arm a model has no form for: —)
         ms, ratio = r["ms_per_step"], r["ratio_vs_pre"]
-        lines.append(f"| {r['model']} | {ms['pre']:.2f} | " + " | ".join(f"{ratio[a]['median']:.3f}" for a in arms) + " |")
+        lines.append(f"| {r['model']} | {ms['pre']:.2f} | "
+                     + " | ".join(f"{ratio[a]['median']:.3f}" if a in ratio else "—" for a in arms) + " |")
     return "\n".join(lines + ["", "A training step is forward, backward and an AdamW step, one thread; ratios are medians of "
                               "paired blocks (each arm's block between two pre-norm blocks). The default step during a "
                               "transition is the stream-scaled blend with the teacher's forward and KL term; `finished` is the "
