@@ -113,8 +113,8 @@ class LNPlacement(LayerSync, Callback):
             trained function: it only undoes a rewrite). At most ``2**63 - 1``.
         transition_schedule: ``"linear"`` (blend = t) or ``"cosine"`` (blend = (1 - cos(pi t)) / 2), t = steps done / N.
         transition_stream_scale: with ``transition_steps`` to ``"pre"``, ``"mix"`` or ``"peri"`` and no
-            ``branch_scale``: the stream-scaled blend (on by default). A post-norm model divides its stream by each norm's scale, so an
-            older branch weighs less than a newer one; a plain pre-norm stream only adds, and the trained function
+            ``branch_scale``: the stream-scaled blend (on by default). A post-norm model divides its stream by
+            each norm's scale, so an older branch weighs less than a newer one; a plain pre-norm stream only adds, and the trained function
             moves by much more than the norms' move suggests (on the 12-layer study LM, KL 0.82 at the blend's end
             against 0.09 stream-scaled). Each converted branch ``k`` gets the constant ``C_k = prod sigma_i /
             |gamma_i|`` of the norms before it in its stack, measured once, on the first training batch at
@@ -562,7 +562,7 @@ class LNPlacement(LayerSync, Callback):
         reason = t.end_measurement(lambda x: trainer.strategy.reduce(x, reduce_op="mean"))
         if reason is None:  # (the values stay on the device: ln_lightning_transition.site_before, the branches' c)
             info(log, f"LNPlacement: stream scales measured on the first training batch ({t.site_before.numel()} branches); "
-                 f"the branches keep their trained weights in the {self.placement}-norm stream"
+                 "the branches keep their trained weights in the stream"
                  + (" (each output norm's gain set from its branch)." if self.placement == "peri" else "."))
         elif trainer.is_global_zero:
             warn(f"LNPlacement: the stream scales could not be measured ({reason}); the transition runs the plain blend "
