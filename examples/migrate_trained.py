@@ -142,6 +142,9 @@ def methods(hp: dict) -> dict:
         "peri_scaled_distill": Migration(T, scaled=True, distill=1.0, placement="peri"),
         "peri_scaled_endpoint_distill": Migration(T, scaled=True, endpoint_fraction=0.25, distill=1.0, placement="peri"),
         "peri_scaled_long_endpoint_distill": Migration(long, scaled=True, endpoint_fraction=0.25, distill=1.0, placement="peri"),
+        # "output" with an entry scale 1/C_k and new exit norms (migrate_trained_methods.OutputScaledBlend; a prototype)
+        "output_scaled_endpoint_distill": Migration(T, scaled=True, endpoint_fraction=0.25, distill=1.0, placement="output"),
+        "output_scaled_long_endpoint_distill": Migration(long, scaled=True, endpoint_fraction=0.25, distill=1.0, placement="output"),
     }
 
 

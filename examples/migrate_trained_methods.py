@@ -184,6 +184,100 @@ class StreamScaledBlend:
         self.patched_inputs, self.patched_sites, self.patched_final, self.patched_outputs = [], [], [], []
 
 
+class _OutputEntry:
+    """Forward pre-hook on an "output" branch entry: the branch reads `x / D_k` (`x / C_k` once the transition
+    ends, `fixed`): the stream at the post-norm scale its branch was trained on."""
+
+    def __init__(self, t: blend.Transition | None, c: torch.Tensor):
+        self.t, self.c = t, c
+
+    def __call__(self, module, args):
+        if hooks.bypassed():
+            return None
+        x = args[0]
+        d = self.c.to(x.dtype) if self.t is None else _scale(self.t.a(x), self.c.to(x.dtype))
+        return (x / d,) + tuple(args[1:])
+
+
+class OutputScaledBlend:
+    """Prototype (the study's demo LM blocks only: `attn` / `mlp` read the stream, `ln1` / `ln2` after them): the
+    stream-scaled transition to "output", `x + N'_k(F(x / C_k))` at its end, where `N'_k` is a new norm at the
+    branch exit with the gain `C_k` times the trained branch output's spread (the moved norm keeps its trained
+    gain at the call site while the blend lasts). Each place computes
+
+        u   = x / D_k                                           branch entry
+        h   = x + (1-a) * D_k * v + (a * D_k / C_k) * N'_k(v)   branch exit, v = F(u)
+        out = (1-a) * D_{k+1} * N_k(h) + a * h                  the moved norm's call site
+
+    exactly the trained function at a = 0 and the endpoint at a = 1. What the product lacks for it: a persistent
+    entry scale (hook, recorded check, black-box reference, remote code) and an exit gain apart from the moved
+    norm's."""
+
+    def __init__(self, model: nn.Module, scales: list[float], sites: list[nn.Module], probe_x: torch.Tensor):
+        t = blend.active(model)
+        self.t = t
+        dev = t.blend.device
+        self.c = [torch.tensor(float(v), device=dev) for v in scales]
+        index = {id(n): k for k, n in enumerate(sites)}
+        self.entries, self.exits, self.sites, self.finals = [], [], [], []
+        blocks = [b for b in model.modules() if hasattr(b, "attn") and hasattr(b, "mlp") and hasattr(b, "ln1")]
+        for b in blocks:
+            for name, ln in (("attn", b.ln1), ("mlp", b.ln2)):
+                k = index[id(ln)]
+                branch = getattr(b, name)
+                entry = _OutputEntry(t, self.c[k])
+                self.entries.append((branch, branch.register_forward_pre_hook(entry), k))
+                ln.__dict__[ATTR] = _ScaledSite(t, t, self.c[k + 1])
+                self.sites.append(ln)
+                h = next(h for h in branch._forward_hooks.values() if type(h) is blend.BlendNormalizeBranchOutput)
+                exit_norm = nn.LayerNorm(ln.normalized_shape, eps=ln.eps).to(ln.weight.device, ln.weight.dtype)
+                b.add_module(f"{name}_exit_norm", exit_norm)
+                h.__class__, h.norm, h.deferred, h.stream_scale, h.own = _ScaledOutput, exit_norm, False, self.c[k], t
+                self.exits.append((branch, h, k))
+        for m in model.modules():
+            for h in m._forward_hooks.values():
+                if type(h) is blend.BlendFinalNorm:
+                    h.__class__, h.stream_scale, h.own = _ScaledFinal, self.c[len(sites)], t
+                    self.finals.append(h)
+        self._init_gains(model, probe_x)
+
+    @torch.no_grad()
+    def _init_gains(self, model: nn.Module, probe_x: torch.Tensor) -> None:
+        spread, handles = {}, []
+        for branch, h, k in self.exits:
+            def grab(mod, args, out, k=k):
+                spread[k] = float(out.float().std(-1, unbiased=False).mean())
+
+            handles.append(branch.register_forward_hook(grab, prepend=True))
+        old = float(self.t.blend)
+        self.t.blend.fill_(0.0)
+        try:
+            model(probe_x)
+        finally:
+            for hd in handles:
+                hd.remove()
+            self.t.blend.fill_(old)
+        for _, h, k in self.exits:
+            h.norm.weight.fill_(float(self.c[k]) * spread[k])
+            h.norm.bias.zero_()
+
+    def remove(self) -> None:
+        """Before `transition.finish`: the entries keep `x / C_k`, the exits apply their new norm, the call sites
+        and the final norm go back to transition.py's (finish then removes them)."""
+        for branch, handle, k in self.entries:
+            handle.remove()
+            branch.register_forward_pre_hook(_OutputEntry(None, self.c[k]))
+        for branch, h, k in self.exits:
+            h.__class__ = blend.BlendNormalizeBranchOutput
+            del h.stream_scale, h.own
+        for ln in self.sites:
+            ln.__dict__[ATTR] = self.t
+        for h in self.finals:
+            h.__class__ = blend.BlendFinalNorm
+            del h.stream_scale, h.own
+        self.entries, self.exits, self.sites, self.finals = [], [], [], []
+
+
 @torch.no_grad()
 def init_output_norms(model: nn.Module, sites: list[nn.Module], scales: list[float], batch_x: torch.Tensor) -> None:
     """Peri: each added output norm's gain = C_k x the std of its branch's trained output (measured at a = 0 on
@@ -382,7 +476,10 @@ def make_callback(method: Migration, probe_x: torch.Tensor, budget_units: float,
                         if isinstance(n, nn.LayerNorm):
                             n.weight.fill_(1.0)
                             n.bias.zero_()
-            if self.m.scaled:
+            if self.m.scaled and self.m.placement == "output":
+                self.patch = OutputScaledBlend(pl_module, self.scales, sites, probe_x)
+                self.units += probe_units
+            elif self.m.scaled:
                 self.patch = StreamScaledBlend(pl_module, report, self.scales, sites, staggered=self.m.staggered)
             speed = None
             if self.m.schedule == "speed":

@@ -28,6 +28,32 @@ def _trained_like(seed=0):
     return lm
 
 
+def test_output_prototype_is_exact_at_both_ends():
+    lm = _trained_like()
+    x = torch.randint(0, 128, (4, 16))
+    with torch.no_grad():
+        before = lm(x)
+    sites, ratios, _ = M.measure_scales(lm, x)
+    report = transition.begin(lm, "output")
+    sites, scales = M.converted_scales(lm, report, sites, ratios)
+    patch = M.OutputScaledBlend(lm, scales, sites, x)
+    assert max(scales) > 1.0 and len(patch.exits) == len(sites) == 6
+
+    def at(a):
+        transition.set_blend(lm, a)
+        with torch.no_grad():
+            return lm(x)
+
+    assert torch.equal(at(0.0), before)  # the trained function, bit for bit
+    assert not torch.equal(at(0.5), before)
+    end = at(1.0)
+    patch.remove()
+    transition.finish(lm)
+    assert not transition.leftovers(lm)
+    with torch.no_grad():
+        assert torch.equal(lm(x), end)  # the entry scales 1/C_k and the new exit norms stay: the a = 1 function
+
+
 @pytest.mark.parametrize("placement,staggered", [("pre", False), ("pre", True), ("mix", False), ("peri", False)])
 def test_stream_scaled_blend_is_exact_at_both_ends(placement, staggered):
     lm = _trained_like()
