@@ -141,6 +141,9 @@ def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "
     norms = dict(unconverted.named_modules())
     order: list[str] = []
     handles = [norms[p].register_forward_pre_hook(lambda mod, args, p=p: order.append(p)) for p in scaled]
+    spreads: dict = {}
+    if placement == "peri":  # in the same forward: each trained branch output's spread
+        handles += _branch_spread_hooks(ref, unconverted, scaled, spreads)
     was = unconverted.training
     unconverted.train()
     try:
@@ -150,12 +153,12 @@ def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "
         for h in handles:
             h.remove()
     assert sorted(order) == sorted(scaled), "each site runs once"
+    assert placement != "peri" or sorted(spreads) == sorted(scaled), "each branch exit runs once"
     ratios = site_ratios(unconverted, [norms[p] for p in order], lambda m: m(x))
     unconverted.train(was)
     stacks: dict[str, list[int]] = {}
     for i, p in enumerate(order):
         stacks.setdefault(_stack_of(p), []).append(i)
-    spreads = _branch_spreads(ref, unconverted, scaled, x) if placement == "peri" else {}
     with torch.no_grad():
         for idx in stacks.values():
             c = cumulative_scales([ratios[i] for i in idx])
@@ -167,29 +170,19 @@ def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "
     return ref
 
 
-def _branch_spreads(ref: nn.Module, unconverted: nn.Module, scaled: dict, x: torch.Tensor) -> dict:
-    """Per site (its norm's path): the per-token standard deviation of the trained branch's output, averaged, read
-    by forward hooks on the *unconverted* model's exit modules (where `ref`'s output norms are applied)."""
+def _branch_spread_hooks(ref: nn.Module, unconverted: nn.Module, scaled: dict, spreads: dict) -> list:
+    """Forward hooks on the *unconverted* model's exit modules (where `ref`'s output norms are applied) that put
+    each site's trained branch output spread (per-token standard deviation, averaged) into `spreads`."""
     from ln_lightning.placement import hooks
 
     exit_of = {id(h.norm): p for p, m in ref.named_modules() for h in m._forward_hooks.values()
                if isinstance(h, hooks.NormalizeBranchOutput)}
     modules = dict(unconverted.named_modules())
-    spreads, handles = {}, []
+    handles = []
     for site, out_norm in scaled.items():
         def grab(mod, args, out, site=site):
             v = out[0] if isinstance(out, tuple) else out
             spreads[site] = v.float().std(-1, unbiased=False).mean().item()
 
         handles.append(modules[exit_of[id(out_norm)]].register_forward_hook(grab))
-    was = unconverted.training
-    unconverted.train()
-    try:
-        with torch.no_grad():
-            unconverted(x)
-    finally:
-        for h in handles:
-            h.remove()
-        unconverted.train(was)
-    assert sorted(spreads) == sorted(scaled), "each branch exit runs once"
-    return spreads
+    return handles

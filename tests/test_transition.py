@@ -355,17 +355,23 @@ class BlendFile(Callback):
         Path(self.out, f"scales_rank{trainer.global_rank}.json").write_text(json.dumps(scales))
 
 
+def _ddp_spawn_trainer(tmp_path, max_steps: int, placement: str, record) -> Trainer:
+    """A ddp_spawn x2 CPU fit with a 3-step transition; `record` (a callback class) writes each rank's file."""
+    from ln_lightning.testing.dist import DestroyProcessGroupAtExit
+
+    return Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=max_steps, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                   num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+                   plugins=[LNPlacement(placement, transition_steps=3, fused=False, log_report=False)],
+                   callbacks=[record(str(tmp_path)), DestroyProcessGroupAtExit()])
+
+
 @pytest.mark.slow
 def test_ddp_spawn_every_rank_has_the_same_blend(tmp_path):
     import json
 
-    from ln_lightning.testing.dist import DestroyProcessGroupAtExit
-
     module = LM("demo")
-    t = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=5, logger=False, enable_progress_bar=False,
-                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-                default_root_dir=tmp_path, plugins=[LNPlacement("pre", transition_steps=3, fused=False, log_report=False)],
-                callbacks=[BlendFile(str(tmp_path)), DestroyProcessGroupAtExit()])
+    t = _ddp_spawn_trainer(tmp_path, 5, "pre", BlendFile)
     unconverted = copy.deepcopy(module.model)
     t.fit(module, train_dataloaders=loader())
     ranks = [json.loads(Path(tmp_path, f"blends_rank{r}.json").read_text()) for r in range(2)]
@@ -411,14 +417,9 @@ class GainFile(Callback):
 def test_ddp_spawn_peri_output_gains_are_the_same_on_every_rank(tmp_path):
     import json
 
-    from ln_lightning.testing.dist import DestroyProcessGroupAtExit
-
     # lr 0: the gains are what the measurement set (DDP does not synchronise parameters after its start, so ranks
     # that measured alone would keep different gains); each rank's batch differs.
-    t = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, logger=False, enable_progress_bar=False,
-                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-                default_root_dir=tmp_path, plugins=[LNPlacement("peri", transition_steps=3, fused=False, log_report=False)],
-                callbacks=[GainFile(str(tmp_path)), DestroyProcessGroupAtExit()])
+    t = _ddp_spawn_trainer(tmp_path, 2, "peri", GainFile)
     t.fit(LM("demo", lr=0.0), train_dataloaders=loader())  # (its "ended during the transition" warning: in the workers)
     gains = [json.loads(Path(tmp_path, f"gains_rank{r}.json").read_text()) for r in range(2)]
     assert gains[0] == gains[1] and len(gains[0]) == 4
@@ -909,12 +910,7 @@ class _TwiceOnRank1(LM):
 def test_a_rank_that_cant_measure_sends_every_rank_to_the_plain_blend(tmp_path):
     import json
 
-    from ln_lightning.testing.dist import DestroyProcessGroupAtExit
-
-    t = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, logger=False, enable_progress_bar=False,
-                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-                default_root_dir=tmp_path, plugins=[LNPlacement("pre", transition_steps=3, fused=False, log_report=False)],
-                callbacks=[BlendFile(str(tmp_path)), DestroyProcessGroupAtExit()])
+    t = _ddp_spawn_trainer(tmp_path, 4, "pre", BlendFile)
     t.fit(_TwiceOnRank1("demo"), train_dataloaders=loader())  # no hang: both ranks reduce the same tensor
     scales = [json.loads(Path(tmp_path, f"scales_rank{r}.json").read_text()) for r in range(2)]
     assert scales[0] == scales[1] and set(scales[0].values()) == {1.0}  # the plain blend, on both ranks

@@ -206,7 +206,8 @@ def _arms_table(source: str) -> str:
         goal = arms[arm]["goal"]
         verdict = "—" if goal is None else " ; ".join("yes" if goal[k] else "**no**" for k in ("excess", "final", "compute"))
         final = [r["final_eval"] - u[r["seed"]] for r in rs if r["seed"] in u]
-        lines.append(f"| `{arm}` | {arms[arm]['method']} | {_seeds((r['eval_at_switch'] for r in rs), '.4f')} | "
+        method = arms[arm]['method'].replace("|", "\\|")  # `KL(trained || model)` must not split the cell
+        lines.append(f"| `{arm}` | {method} | {_seeds((r['eval_at_switch'] for r in rs), '.4f')} | "
                      f"{_seeds((r['eval_peak_excess'] for r in rs), '+.4f')} | {_seeds(final, '+.4f')} | "
                      f"{_seeds((r['units'] / r['budget_units'] for r in rs), '.3f')} | {verdict} |")
     return "\n".join(lines + ["", f"One figure per seed. Goal: worst excess at most {d['goal_excess']:+.2f} on every seed, final within "

@@ -207,6 +207,10 @@ class Transition(nn.Module):
             self._measuring.append(("final", slot, None))
         return _ramp(self.a(like), self.final_scale[slot])
 
+    def is_output_site(self, k: int) -> bool:
+        """Whether site `k` is a peri output norm (its gain holds the scale) rather than a BranchScale (its `c`)."""
+        return self.sites[k].__dict__.get(OUT_ATTR) is not None
+
     # ------------------------------------------------------------------ measuring the stream scales
     def begin_measurement(self) -> None:
         """Record every site's `sigma / mean|gamma|` during the next forward (which must run at blend 0, where the
@@ -284,7 +288,7 @@ class Transition(nn.Module):
                 by_stack.setdefault(self.site_stack[slot], []).append(slot)
             if any(slots != sorted(slots) for slots in by_stack.values()):
                 reason = "the blocks of a stack did not run in the order they are registered in"
-        outs = [k for k, m in enumerate(self.sites) if m.__dict__.get(OUT_ATTR) is not None]  # peri's output norms
+        outs = [k for k in range(n) if self.is_output_site(k)]
         out_order = [slot for kind, slot, _ in events if kind == "out"]
         if reason is None and (len(out_order) != len(set(out_order)) or set(out_order) != set(outs)):
             reason = "a branch with an output norm ran more than once, or not at all, in the first training forward"
@@ -334,7 +338,7 @@ class Transition(nn.Module):
             for f, site in final_of.items():
                 self.final_scale[f] = after[last_of_stack[self.site_stack[site]]]
             for k, scale in enumerate(self.sites):
-                if k in outs:  # N_out(v) ~ C_k * v: a gain of C_k times the spread it normalises away
+                if self.is_output_site(k):  # N_out(v) ~ C_k * v: a gain of C_k times the spread it normalises away
                     _set_gain(scale, before[k] * spread[k] / count[k])
                 else:
                     scale.c.copy_(before[k])
@@ -346,8 +350,8 @@ class Transition(nn.Module):
         with torch.no_grad():
             for b in (self.site_before, self.site_after, self.final_scale):
                 b.fill_(1.0)
-            for scale in self.sites:
-                if scale.__dict__.get(OUT_ATTR) is None:
+            for k, scale in enumerate(self.sites):
+                if not self.is_output_site(k):
                     scale.c.fill_(1.0)  # (an output norm keeps the identity gain it was built with)
             self.scales_state.fill_(2)
         self._host_scales_state = 2
