@@ -4,7 +4,8 @@ Copies of one model with the same weights: plain `convert(model, "pre")` (the re
 at 0.5, the stream-scaled blend at 0.5 (LNPlacement's default, `branch_scale="stream"`), the same with the
 teacher forward and KL term of `transition_distill` (the default step during a transition), and the
 stream-scaled model after `finish` (pre-norm with its branch scales: the step after the transition). For the demo
-LM also `convert(model, "peri")` and the default step of a transition to it (a peri step after it). A training
+LM also `convert(model, "peri")` and the default step of a transition to it (a peri step after it), and the same
+for "output" (`branch_scale="stream"`: the entry scales of its end). A training
 step is forward + backward + AdamW step on the same batch. The arms alternate in short blocks in one process,
 each block between two blocks of the plain pre-norm arm, so load from other processes hits them alike; the
 median of the paired ratios is reported (robust on a shared machine).
@@ -73,6 +74,15 @@ def arms(model: nn.Module, example) -> dict[str, tuple[nn.Module, nn.Module | No
         peri_teacher = frozen_copy(to_peri)
         transition.set_blend(to_peri, 0.5)
         out.update({"peri": (peri, None), "peri stream-scaled blend + teacher (default)": (to_peri, peri_teacher)})
+    # To output likewise: the finished stream-scaled output model (its entry scales) and the default step to it.
+    output = copy.deepcopy(model)
+    if convert(output, "output", branch_scale="stream", example_input=example).converted:
+        to_output = copy.deepcopy(model)
+        transition.begin(to_output, "output", branch_scale="stream", example_input=example)
+        assert transition.measure_stream_scales(to_output, lambda: to_output(example)) is None
+        output_teacher = frozen_copy(to_output)
+        transition.set_blend(to_output, 0.5)
+        out.update({"output": (output, None), "output stream-scaled blend + teacher (default)": (to_output, output_teacher)})
     return out
 
 

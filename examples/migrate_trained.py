@@ -160,15 +160,18 @@ def arms(hp: dict) -> dict:
            f"plugin_plain_{T}": {"kind": "plugin", "transition_steps": T,
                                  "options": {"transition_stream_scale": False, "transition_endpoint_fraction": 0.0,
                                              "transition_distill": 0.0}},
-           # the default transition to the other placements ("mix", "peri": stream-scaled too; "output": endpoint
-           # steps and distillation, no stream scales)
+           # the default transition to the other placements (stream-scaled too; "output": the branch reads x / C_k)
            f"plugin_mix_{T}": {"kind": "plugin", "transition_steps": T, "placement": "mix"},
            f"plugin_peri_{T}": {"kind": "plugin", "transition_steps": T, "placement": "peri"},
            f"plugin_peri_{long}": {"kind": "plugin", "transition_steps": long, "placement": "peri"},
            # peri's default before its stream scales: the plain blend with endpoint steps and distillation
            f"plugin_peri_plain_{T}": {"kind": "plugin", "transition_steps": T, "placement": "peri",
                                       "options": {"transition_stream_scale": False}},
-           f"plugin_output_{T}": {"kind": "plugin", "transition_steps": T, "placement": "output"}}
+           f"plugin_output_{T}": {"kind": "plugin", "transition_steps": T, "placement": "output"},
+           f"plugin_output_{long}": {"kind": "plugin", "transition_steps": long, "placement": "output"},
+           # output's default before its stream scales: the plain blend with endpoint steps and distillation
+           f"plugin_output_plain_{T}": {"kind": "plugin", "transition_steps": T, "placement": "output",
+                                        "options": {"transition_stream_scale": False}}}
     for name, m in methods(hp).items():
         out[name] = {"kind": "method", "method": m}
     return out

@@ -104,8 +104,9 @@ def describe(name: str, spec: dict) -> str:
             return '`LNPlacement("pre", resume_unconverted=True)`: pre-norm from the first step'
         opts = "".join(f", {k}={v!r}" for k, v in spec.get("options", {}).items())
         if spec.get("placement", "pre") != "pre":
-            return (f'`LNPlacement("{spec["placement"]}", transition_steps={spec["transition_steps"]}, resume_unconverted=True)`: '
-                    "the plugin's default transition to " + repr(spec["placement"]))
+            return (f'`LNPlacement("{spec["placement"]}", transition_steps={spec["transition_steps"]}, resume_unconverted=True{opts})`: '
+                    + ("the plain blend (with endpoint steps and distillation) to " if opts else "the plugin's default transition to ")
+                    + repr(spec["placement"]))
         if opts:
             return f'`LNPlacement("pre", transition_steps={spec["transition_steps"]}, resume_unconverted=True{opts})`: the plugin\'s plain blend'
         return (f'`LNPlacement("pre", transition_steps={spec["transition_steps"]}, resume_unconverted=True)`: the plugin\'s default '

@@ -112,8 +112,8 @@ class LNPlacement(LayerSync, Callback):
             fit that ends before the transition says so. Any placement but ``"post"`` (which can't preserve a
             trained function: it only undoes a rewrite). At most ``2**63 - 1``.
         transition_schedule: ``"linear"`` (blend = t) or ``"cosine"`` (blend = (1 - cos(pi t)) / 2), t = steps done / N.
-        transition_stream_scale: with ``transition_steps`` to ``"pre"``, ``"mix"`` or ``"peri"`` and no
-            ``branch_scale``: the stream-scaled blend (on by default). A post-norm model divides its stream by
+        transition_stream_scale: with ``transition_steps`` and no ``branch_scale``: the stream-scaled blend (on
+            by default, to every placement). A post-norm model divides its stream by
             each norm's scale, so an older branch weighs less than a newer one; a plain pre-norm stream only adds, and the trained function
             moves by much more than the norms' move suggests (on the 12-layer study LM, KL 0.82 at the blend's end
             against 0.09 stream-scaled). Each converted branch ``k`` gets the constant ``C_k = prod sigma_i /
@@ -129,7 +129,12 @@ class LNPlacement(LayerSync, Callback):
             pre-norm endpoint's does, and the endpoint is plain peri-norm with those gains (parameters, trained
             from there). What peri can't keep is each token's branch magnitude, which its output norms
             normalise away (on the study LM, KL 0.30 to the trained function at the end of the blend, where
-            pre-norm's is 0.09).
+            pre-norm's is 0.09). To ``"output"`` (``x + N(F(x))``) each branch reads the stream divided by a
+            constant entry scale (``<branch>_in_scale.c``, ``C_k`` at the end, ``D_k = (1-a) + a C_k`` mid-way),
+            and the moved norm, at the branch exit, gets the gain ``C_k`` times the trained branch output's
+            spread, while its call site keeps the trained gain and bias (buffers of the transition) until the
+            blend ends; the endpoint is ``convert(model, "output", branch_scale="stream")``. Such a model saves the
+            Hugging Face way once the transition has ended, not mid-way (keep the Lightning checkpoint).
         transition_endpoint_fraction: the fraction of the transition's optimizer steps (never the first) that
             train at blend 1, the function the transition ends at, while the model holds the scheduled blend
             between steps (what validation and checkpoints see). Picked by a hash of the step index: the same on
@@ -222,7 +227,8 @@ class LNPlacement(LayerSync, Callback):
             raise ValueError(f"LNPlacement: transition_endpoint_fraction must be a number in [0, 1), got {transition_endpoint_fraction!r}.")
         # The stream-scaled blend is a branch scale the transition measures (see transition_stream_scale).
         self.stream_scaled = (branch_scale == "stream" or (
-            transition_steps is not None and transition_stream_scale and branch_scale is None and placement in ("pre", "mix", "peri")))
+            transition_steps is not None and transition_stream_scale and branch_scale is None
+            and placement in ("pre", "mix", "peri", "output")))
         if self.stream_scaled:
             branch_scale = "stream"
         self.transition_endpoint_fraction = float(transition_endpoint_fraction)
@@ -563,7 +569,9 @@ class LNPlacement(LayerSync, Callback):
         if reason is None:  # (the values stay on the device: ln_lightning_transition.site_before, the branches' c)
             info(log, f"LNPlacement: stream scales measured on the first training batch ({t.site_before.numel()} branches); "
                  "the branches keep their trained weights in the stream"
-                 + (" (each output norm's gain set from its branch)." if self.placement == "peri" else "."))
+                 + {"peri": " (each output norm's gain set from its branch).",
+                    "output": " (each branch reads the stream divided by its scale; each moved norm's gain set from its branch)."
+                    }.get(self.placement, "."))
         elif trainer.is_global_zero:
             warn(f"LNPlacement: the stream scales could not be measured ({reason}); the transition runs the plain blend "
                  "(every branch scale 1), whose function moves more near its end. Pass transition_stream_scale=False to "

@@ -142,8 +142,11 @@ def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "
     order: list[str] = []
     handles = [norms[p].register_forward_pre_hook(lambda mod, args, p=p: order.append(p)) for p in scaled]
     spreads: dict = {}
-    if placement == "peri":  # in the same forward: each trained branch output's spread
-        handles += _branch_spread_hooks(ref, unconverted, scaled, spreads)
+    ref_modules = dict(ref.named_modules())
+    # The norm whose gain holds the scale: peri's added output norm; output's moved norm (at the branch exit).
+    gained = {"peri": scaled, "output": {p: ref_modules[p] for p in scaled}}.get(placement)
+    if gained is not None:  # in the same forward: each trained branch output's spread
+        handles += _branch_spread_hooks(ref, unconverted, gained, spreads)
     was = unconverted.training
     unconverted.train()
     try:
@@ -153,7 +156,7 @@ def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "
         for h in handles:
             h.remove()
     assert sorted(order) == sorted(scaled), "each site runs once"
-    assert placement != "peri" or sorted(spreads) == sorted(scaled), "each branch exit runs once"
+    assert gained is None or sorted(spreads) == sorted(scaled), "each branch exit runs once"
     ratios = site_ratios(unconverted, [norms[p] for p in order], lambda m: m(x))
     unconverted.train(was)
     stacks: dict[str, list[int]] = {}
@@ -163,9 +166,11 @@ def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "
         for idx in stacks.values():
             c = cumulative_scales([ratios[i] for i in idx])
             for j, i in enumerate(idx):
-                if placement == "peri":  # the output norm's gain: C_k times the trained branch output's spread
-                    scaled[order[i]].weight.fill_(c[j] * spreads[order[i]])
-                else:
+                if gained is not None:  # the exit norm's gain: C_k times the trained branch output's spread
+                    gained[order[i]].weight.fill_(c[j] * spreads[order[i]])
+                    if getattr(gained[order[i]], "bias", None) is not None:
+                        gained[order[i]].bias.zero_()
+                if placement != "peri":  # pre's branch scale c, output's entry x / c
                     scaled[order[i]].c.fill_(c[j])
     return ref
 

@@ -253,6 +253,38 @@ def test_a_stream_scaled_peri_transition_saves_mid_way_and_once_it_ended(tmp_pat
     assert rel(output(remote, inputs), expected) <= TOL
 
 
+def test_a_stream_scaled_output_transition_is_refused_mid_way_and_saves_once_it_ended(tmp_path):
+    model = trained_looking(T.BertForMaskedLM(T.BertConfig(**{**H, "num_hidden_layers": 3})).eval())
+    with torch.no_grad():  # small trained gains: the stream's constants C_k well above 1
+        for m in model.bert.encoder.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.2, 0.4)
+    inputs = {"input_ids": BY_NAME["bert"].inputs()["input_ids"]}
+    transition.begin(model, "output", branch_scale="stream", steps=5)
+    assert transition.measure_stream_scales(model, lambda: model(**inputs)) is None
+    t = rewrite_state.of(model).transition
+    assert t.scaled and len(t.frozen) == 6  # each moved norm's trained gain, kept for its call site
+    t.set_progress(3, 0.6)
+    with pytest.raises(PlacementError, match="mid-way through a stream-scaled transition to 'output'"):
+        model.save_pretrained(tmp_path / "mid")
+    assert not (tmp_path / "mid").exists()
+    transition.finish(model)  # x + N_k(F(x / C_k)): the measured C_k in the entries' InputScale, the gains in the norms
+    scales = {n: b.item() for n, b in model.named_buffers() if n.endswith("_in_scale.c")}
+    assert len(scales) == 6 and all(v > 1.0 for k, v in scales.items() if not k.startswith("bert.encoder.layer.0.attention"))
+    expected = output(model, inputs)
+    model.save_pretrained(tmp_path / "end")
+    remote = T.AutoModelForMaskedLM.from_pretrained(tmp_path / "end", trust_remote_code=True).eval()
+    assert rel(output(remote, inputs), expected) <= TOL
+    loaded = from_pretrained(tmp_path / "end")
+    assert rel(output(loaded, inputs), expected) <= TOL
+    assert {n: b.item() for n, b in loaded.named_buffers() if n.endswith("_in_scale.c")} == scales
+    with torch.no_grad():  # the entry scales matter: with every c 1 the model computes another function
+        for n, b in model.named_buffers():
+            if n.endswith("_in_scale.c"):
+                b.fill_(1.0)
+        assert rel(output(model, inputs), expected) > 1e-3  # (the exit norm takes the scale out of a near-linear branch)
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 def test_what_save_pretrained_refuses(tmp_path):
     plain = T.BertModel(T.BertConfig(**H))

@@ -401,7 +401,8 @@ def test_ddp_spawn_every_rank_has_the_same_blend(tmp_path):
 
 
 class GainFile(Callback):
-    """Each rank writes its peri output norms' gains at the end of the fit."""
+    """Each rank writes the gains of the norms at its branch exits (peri: the added output norms; output: the moved
+    norms) and the entries' stream scales (output) at the end of the fit."""
 
     def __init__(self, out: str):
         self.out = out
@@ -409,21 +410,28 @@ class GainFile(Callback):
     def on_train_end(self, trainer, pl_module):
         import json
 
-        gains = {n: p.tolist() for n, p in pl_module.named_parameters() if n.endswith("out_norm.weight")}
+        gains = {n: p.tolist() for n, p in pl_module.named_parameters()
+                 if n.endswith(("out_norm.weight", "ln1.weight", "ln2.weight"))}
+        gains.update({n: b.tolist() for n, b in pl_module.named_buffers() if n.endswith("_in_scale.c")})
         Path(self.out, f"gains_rank{trainer.global_rank}.json").write_text(json.dumps(gains))
 
 
 @pytest.mark.slow
-def test_ddp_spawn_peri_output_gains_are_the_same_on_every_rank(tmp_path):
+@pytest.mark.parametrize("placement", ["peri", "output"])
+def test_ddp_spawn_exit_gains_are_the_same_on_every_rank(placement, tmp_path):
     import json
 
     # lr 0: the gains are what the measurement set (DDP does not synchronise parameters after its start, so ranks
     # that measured alone would keep different gains); each rank's batch differs.
-    t = _ddp_spawn_trainer(tmp_path, 2, "peri", GainFile)
+    t = _ddp_spawn_trainer(tmp_path, 2, placement, GainFile)
     t.fit(LM("demo", lr=0.0), train_dataloaders=loader())  # (its "ended during the transition" warning: in the workers)
     gains = [json.loads(Path(tmp_path, f"gains_rank{r}.json").read_text()) for r in range(2)]
-    assert gains[0] == gains[1] and len(gains[0]) == 4
-    assert all(len(set(g)) == 1 and g[0] != 1.0 for g in gains[0].values())  # measured: one value per norm, not 1
+    exits = {k: v for k, v in gains[0].items() if k.endswith("weight") and (placement == "output") != ("out_norm" in k)}
+    assert gains[0] == gains[1] and len(exits) == 4
+    assert all(len(set(g)) == 1 and g[0] != 1.0 for g in exits.values())  # measured: one value per norm, not 1
+    if placement == "output":
+        scales = [v for k, v in gains[0].items() if k.endswith("_in_scale.c")]
+        assert len(scales) == 4 and scales[0] == 1.0 and len(set(scales)) == 4
 
 
 def test_blend_is_logged_and_validate_uses_it(tmp_path):
@@ -472,7 +480,8 @@ def test_transition_steps_on_a_model_already_converted_is_refused(tmp_path):
             module, train_dataloaders=loader())
 
 
-def test_gradient_accumulation_keeps_one_blend_per_optimizer_step(tmp_path):
+@pytest.mark.parametrize("placement", ["pre", "output"])
+def test_gradient_accumulation_keeps_one_blend_per_optimizer_step(placement, tmp_path):
     rec = BlendRecorder()
     module = LM("demo")
     x = batch(1)
@@ -480,10 +489,10 @@ def test_gradient_accumulation_keeps_one_blend_per_optimizer_step(tmp_path):
     unconverted = copy.deepcopy(module.model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", LNLightningWarning)  # the scales are measured (once: the first micro-batch)
-        trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False, **HELD), max_steps=3,
+        trainer(tmp_path, LNPlacement(placement, transition_steps=2, fused=False, log_report=False, **HELD), max_steps=3,
                 callbacks=[rec], accumulate_grad_batches=2).fit(module, train_dataloaders=dl)
     assert rec.blends == [0.0, 0.0, 0.5, 0.5, None, None]
-    reference = stream_reference(unconverted, x)
+    reference = stream_reference(unconverted, x, placement)  # (output: its entries' InputScale `_in_scale.c`)
     ref = dict(reference.named_buffers())
     got = {n: b for n, b in module.model.named_buffers() if n.endswith("_scale.c")}
     assert len(got) == 4 and all(abs(b.item() - ref[n].item()) <= 1e-5 * ref[n].item() for n, b in got.items())
@@ -748,15 +757,16 @@ def test_stream_scaled_peri_blend_is_exact_at_both_ends_and_keeps_the_function_m
         assert rel(mid, post) < 0.5 * rel(plain(x), post)
 
 
-def test_stream_scaled_peri_without_output_gains_runs_the_plain_blend_and_says_why():
+@pytest.mark.parametrize("placement", ["peri", "output"])
+def test_stream_scaled_peri_and_output_without_exit_gains_run_the_plain_blend_and_say_why(placement):
     model = make("demo")
-    for block in model.blocks:  # norms without an affine gain: the output norms can't hold a stream scale
+    for block in model.blocks:  # norms without an affine gain: the exit norms can't hold a stream scale
         block.ln1, block.ln2 = nn.LayerNorm(32, elementwise_affine=False), nn.LayerNorm(32, elementwise_affine=False)
     plain = copy.deepcopy(model)
-    transition.begin(model, "peri", branch_scale="stream")
+    transition.begin(model, placement, branch_scale="stream")
     reason = transition.measure_stream_scales(model, lambda: model(batch(1)))
     assert reason is not None and "no `weight` gain" in reason
-    transition.begin(plain, "peri")
+    transition.begin(plain, placement)
     x = batch(3)
     for a in (0.5, 1.0):
         transition.set_blend(model, a), transition.set_blend(plain, a)
@@ -764,18 +774,20 @@ def test_stream_scaled_peri_without_output_gains_runs_the_plain_blend_and_says_w
             assert torch.equal(model(x), plain(x))
 
 
-def test_plugin_peri_transition_measures_the_output_gains_and_resumes(tmp_path):
+@pytest.mark.parametrize("placement", ["peri", "output"])
+def test_plugin_peri_and_output_transitions_measure_the_exit_gains_and_resume(placement, tmp_path):
     module = LM("demo", lr=0.0)  # lr 0: the weights stay, so the end is the measured endpoint itself
     unconverted = copy.deepcopy(module.model)
-    trainer(tmp_path / "a", LNPlacement("peri", transition_steps=2, fused=False, log_report=False, **HELD), max_steps=3).fit(
+    trainer(tmp_path / "a", LNPlacement(placement, transition_steps=2, fused=False, log_report=False, **HELD), max_steps=3).fit(
         module, train_dataloaders=loader())
     assert transition.active(module) is None and transition.leftovers(module) == []
-    reference = stream_reference(unconverted, batch(1), "peri")
+    reference = stream_reference(unconverted, batch(1), placement)
     x = batch(3)
     with torch.no_grad():
         assert rel(module.model.eval()(x), reference.eval()(x)) <= 1e-5
-    # Resumed mid-way (the gains are parameters, the constants the transition's buffers): the uninterrupted weights.
-    plugin = lambda: LNPlacement("peri", transition_steps=4, fused=False, log_report=False)  # noqa: E731
+    # Resumed mid-way (the gains are parameters; the constants, and output's kept trained gains, the transition's
+    # buffers): the uninterrupted weights.
+    plugin = lambda: LNPlacement(placement, transition_steps=4, fused=False, log_report=False)  # noqa: E731
     straight = LM("demo")
     trainer(tmp_path / "b", plugin(), max_steps=6).fit(straight, train_dataloaders=loader())
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1)
@@ -792,8 +804,11 @@ def test_plugin_peri_transition_measures_the_output_gains_and_resumes(tmp_path):
     assert list(a) == list(b)
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
-    gains = [v for k, v in a.items() if k.endswith("out_norm.weight")]
-    assert gains and all(not torch.allclose(g, torch.ones_like(g)) for g in gains)
+    gains = [v for k, v in a.items() if k.endswith("out_norm.weight" if placement == "peri" else ("ln1.weight", "ln2.weight"))]
+    assert len(gains) == 4 and all(not torch.allclose(g, torch.ones_like(g)) for g in gains)
+    if placement == "output":  # each branch reads the stream divided by its measured C_k (the first branch's is 1)
+        scales = [float(v) for k, v in a.items() if k.endswith("_in_scale.c")]
+        assert len(scales) == 4 and scales[0] == 1.0 and len(set(scales)) == 4
 
 
 def test_plugin_mix_transition_scales_the_converted_blocks_only(tmp_path):
@@ -914,3 +929,46 @@ def test_a_rank_that_cant_measure_sends_every_rank_to_the_plain_blend(tmp_path):
     t.fit(_TwiceOnRank1("demo"), train_dataloaders=loader())  # no hang: both ranks reduce the same tensor
     scales = [json.loads(Path(tmp_path, f"scales_rank{r}.json").read_text()) for r in range(2)]
     assert scales[0] == scales[1] and set(scales[0].values()) == {1.0}  # the plain blend, on both ranks
+
+
+@pytest.mark.parametrize("kind", ["demo", "bert"])
+def test_stream_scaled_output_blend_is_exact_at_both_ends_and_keeps_the_function_mid_way(kind):
+    model = make(kind)
+    with torch.no_grad():  # trained-looking gains: the stream's constants C_k well above 1
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.2, 0.4)
+    unconverted = copy.deepcopy(model)
+    x, probe = batch(3), batch(1)
+    with torch.no_grad():
+        post = model(x)
+    transition.begin(model, "output", branch_scale="stream")
+    with torch.no_grad():  # pickled as ddp_spawn does, before measuring: the moved norms are reached from the transition too
+        assert torch.equal(pickle.loads(pickle.dumps(model))(x), post)
+    assert transition.measure_stream_scales(model, lambda: model(probe)) is None
+    model_mid = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), post)  # a = 0: bit for bit the trained function (the call site's kept gains)
+        transition.set_blend(model, 1.0)
+        at_one = model(x)
+    # The endpoint x + N'_k(F(x / C_k)): each branch reads the stream divided by C_k, and the moved norm's gain is C_k
+    # times the trained branch's spread, computed here from hooks on the unconverted model.
+    reference = stream_reference(unconverted, probe, "output")
+    with torch.no_grad():
+        assert rel(at_one, reference(x)) <= 1e-5
+        transition.finish(model)
+        assert torch.equal(model(x), at_one) and transition.leftovers(model) == []
+    # Mid-way each branch reads x / D_k and writes about D_k times what it wrote before, as the pre-norm blend's
+    # branches do: the function moves far less than under the plain output blend (identity entries, the moved norm
+    # with its trained gain at the exit).
+    transition.set_blend(model_mid, 0.5)  # and pickled mid-way
+    restored = pickle.loads(pickle.dumps(model_mid))
+    with torch.no_grad():
+        assert torch.equal(restored(x), model_mid(x))
+    plain = copy.deepcopy(unconverted)
+    transition.begin(plain, "output", steps=4)
+    for a in (0.25, 0.5, 0.75):
+        transition.set_blend(model_mid, a), transition.set_blend(plain, a)
+        with torch.no_grad():
+            scaled_err, plain_err = rel(model_mid(x), post), rel(plain(x), post)
+        assert scaled_err < (0.75 if a < 0.5 else 0.5) * plain_err, (a, scaled_err, plain_err)

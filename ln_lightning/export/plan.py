@@ -15,7 +15,7 @@ from torch import nn
 
 from ln_lightning.placement import blend, hooks
 from ln_lightning.placement.errors import PlacementError
-from ln_lightning.placement.scale import BranchScale
+from ln_lightning.placement.scale import BranchScale, InputScale
 
 MARKER = "ln_lightning_placement"  # the rewrite's marker buffer (ln_lightning.placement.state.MARKER)
 
@@ -34,6 +34,8 @@ def _describe_added(model: nn.Module, path: str, derived: dict[str, str]) -> dic
         value = module.value()
         return {"kind": "branch_scale", "learnable": bool(module.learnable), "dim": int(value.numel()),
                 "value": float(value.flatten()[0]) if not module.learnable else 0.0}
+    if isinstance(module, InputScale):
+        return {"kind": "input_scale", "value": float(module.value())}
     if issubclass(cls, nn.LayerNorm):  # FusedLayerNorm too: the same parameters and function
         return {"kind": "layer_norm", "shape": list(module.normalized_shape), "eps": float(module.eps),
                 "affine": bool(module.elementwise_affine), "bias": module.bias is not None}
@@ -55,6 +57,12 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
     paths = {id(m): p for p, m in model.named_modules()}
     plan: dict = {"deferred": [], "hooks": [], "added": [], "markers": sorted([p, n] for p, n in markers.items()),
                   "transition": transition is not None}
+    if transition is not None and len(transition.frozen):
+        raise PlacementError(
+            "the model is mid-way through a stream-scaled transition to 'output': its call sites normalise with the "
+            "trained gains the transition keeps aside, which the saved model's remote code does not rebuild. Save it "
+            "once the transition has ended (or finish it: ln_lightning.placement.transition.finish(model)); to "
+            "continue it, keep the Lightning checkpoint (load_converted / Trainer.fit(ckpt_path=...))")
     if transition is not None and transition.scaled:
         # The stream-scaled blend: which norm reads which of the transition's scales (they load with the weights).
         plan["stream"] = {

@@ -313,6 +313,20 @@ class BranchScale(nn.Module):
         return x * (self.gamma if self.learnable else self.c)
 
 
+class InputScale(nn.Module):
+    """A branch entry's stream scale the rewrite added (output placement, stream-scaled): the branch reads x / c."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.c = float(value)
+
+    def forward(self, x):
+        return x / self.c
+
+    def normalize(self, x):  # what the entry hook calls, as a norm's
+        return self.forward(x)
+
+
 # --------------------------------------------------------------------------------------------- installing a plan
 def _get(model, path):
     return model.get_submodule(path) if path else model
@@ -331,6 +345,8 @@ def _added_module(model, spec):
         return nn.RMSNorm(spec["shape"], eps=spec["eps"], elementwise_affine=spec["affine"])
     if kind == "branch_scale":
         return BranchScale(spec["value"], spec["dim"], spec["learnable"])
+    if kind == "input_scale":
+        return InputScale(spec["value"])
     if kind == "copy":  # a norm of the model's own class, as the one it was derived from (its weights load)
         m = copy.deepcopy(_get(model, spec["of"]))
         m._forward_hooks.clear()

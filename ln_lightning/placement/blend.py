@@ -19,6 +19,13 @@ added outputs `(1-a)*s + a*N_f(s)`. At `a = 0` every term is exact (`1*x + 0*y =
 the model computes bit-for-bit the function it was trained with (an added norm is the identity); at `a = 1` it
 computes exactly what `convert(model, placement)` gives.
 
+The stream-scaled blend (`branch_scale="stream"`) measures each branch's constant `C_k` on the first training
+batch and moves the stream between the two scalings, `D_k = (1-a) + a*C_k`: to pre the branch scale ramps to
+`C_k`; to peri the added output norm's gain is `C_k` times the trained branch output's spread and the exit
+writes `(1-a)*D_k*v + (a*D_k/C_k)*N_out(v)`; to output the branch reads `x / D_k` (an `InputScale` at its
+entries), the moved norm at the exit gets that gain, and its call site normalises with the trained gain and
+bias, kept in `Transition.frozen` (buffers) until the blend ends.
+
 `start` switches a converted model into the blend; `finish` removes every piece of it, leaving the model
 exactly as `convert` left it (fused torch layers included), at plain speed. The pieces:
 
@@ -48,6 +55,7 @@ from ln_lightning.placement import hooks
 from ln_lightning.placement.blocks import STREAM_SITE_ATTR
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.norms import norm_types
+from ln_lightning.placement.scale import BranchScale, InputScale
 
 ATTR = "ln_lightning_transition"  # the root's submodule, and the deferred norms' instance attribute
 _PREV_CLASS = "_ln_lightning_pre_transition_class"
@@ -105,6 +113,11 @@ class Transition(nn.Module):
         # Each site's BranchScale (pre: its c is C_k) or added output norm (peri: its gain is C_k times the trained
         # branch output's spread); filled by `start`.
         self.sites = [None] * sites
+        # Per site the norm whose gain the measurement sets (peri: its added output norm, the site's own entry in
+        # `sites`; output: the moved norm at the branch exit, whose trained gain and bias the call site keeps in
+        # `frozen` while the blend lasts), else None.
+        self.out_norms: list = [None] * sites
+        self.frozen = nn.ModuleDict()
         self.site_stack: list[str] = [""] * sites  # which stack each site is in (C restarts at 1 in each)
         self.register_buffer("site_before", torch.ones(sites, dtype=torch.float32, device=device), persistent=True)
         self.register_buffer("site_after", torch.ones(sites, dtype=torch.float32, device=device), persistent=True)
@@ -192,6 +205,10 @@ class Transition(nn.Module):
         if slot is None:
             return (1 - a) * y + a * h
         self._record_site(slot, norm, h)
+        frozen = self.frozen[str(slot)] if str(slot) in self.frozen else None
+        if frozen is not None and self.scaled and not self.needs_measurement:
+            # Output: the moved norm's gain now serves the exit; the post-norm term keeps the trained one.
+            y = frozen(h)
         return (1 - a) * (_ramp(a, self.site_after[slot]) * y) + a * h
 
     def stream_divisor(self, norm: nn.Module, like: torch.Tensor) -> torch.Tensor | None:
@@ -208,8 +225,8 @@ class Transition(nn.Module):
         return _ramp(self.a(like), self.final_scale[slot])
 
     def is_output_site(self, k: int) -> bool:
-        """Whether site `k` is a peri output norm (its gain holds the scale) rather than a BranchScale (its `c`)."""
-        return self.sites[k].__dict__.get(OUT_ATTR) is not None
+        """Whether site `k`'s scale is held by a norm's gain at its branch exit (peri, output)."""
+        return self.out_norms[k] is not None
 
     # ------------------------------------------------------------------ measuring the stream scales
     def begin_measurement(self) -> None:
@@ -293,10 +310,12 @@ class Transition(nn.Module):
         if reason is None and (len(out_order) != len(set(out_order)) or set(out_order) != set(outs)):
             reason = "a branch with an output norm ran more than once, or not at all, in the first training forward"
         if reason is None and outs:
-            ungained = [k for k in outs if not isinstance(getattr(self.sites[k], "weight", None), torch.Tensor)]
+            ungained = [k for k in outs if not isinstance(getattr(self.out_norms[k], "weight", None), torch.Tensor)]
             if ungained:
                 reason = ("an output norm has no `weight` gain (elementwise_affine=False, or a class that names it "
                           "otherwise) to hold its branch's stream scale")
+            elif any(hasattr(self.out_norms[k].weight, "to_local") for k in outs if str(k) in self.frozen):
+                reason = "a moved norm is sharded (DTensor); its trained gain can't be kept for the call site"
         ratio_of = {slot: r for kind, slot, r in events if kind == "site" and counts.get(slot) == 1}
         spread_of = {slot: r for kind, slot, r in events if kind == "out"}
         local = torch.zeros(n, device=dev)
@@ -338,9 +357,11 @@ class Transition(nn.Module):
             for f, site in final_of.items():
                 self.final_scale[f] = after[last_of_stack[self.site_stack[site]]]
             for k, scale in enumerate(self.sites):
+                if str(k) in self.frozen:  # output: the call site keeps the trained gain the exit is about to lose
+                    _freeze_into(self.frozen[str(k)], self.out_norms[k])
                 if self.is_output_site(k):  # N_out(v) ~ C_k * v: a gain of C_k times the spread it normalises away
-                    _set_gain(scale, before[k] * spread[k] / count[k])
-                else:
+                    _set_gain(self.out_norms[k], before[k] * spread[k] / count[k])
+                if isinstance(scale, (BranchScale, InputScale)):
                     scale.c.copy_(before[k])
             self.scales_state.fill_(1)
         self._host_scales_state = 1
@@ -350,11 +371,40 @@ class Transition(nn.Module):
         with torch.no_grad():
             for b in (self.site_before, self.site_after, self.final_scale):
                 b.fill_(1.0)
-            for k, scale in enumerate(self.sites):
-                if not self.is_output_site(k):
-                    scale.c.fill_(1.0)  # (an output norm keeps the identity gain it was built with)
+            for scale in self.sites:
+                if isinstance(scale, (BranchScale, InputScale)):
+                    scale.c.fill_(1.0)  # (an exit norm keeps the gain it has)
             self.scales_state.fill_(2)
         self._host_scales_state = 2
+
+
+def _frozen_copy(norm: nn.Module) -> nn.Module:
+    """A plain copy of `norm` (its original class, no hooks) whose parameters are buffers: the output transition's
+    call site normalises with it (persistent: a resume gets the gains it kept; no parameter: no optimizer or DDP
+    sees it)."""
+    import copy
+    from collections import OrderedDict
+
+    # Hooks (a monitor's, the rewrite's) and our attributes point into the model: not copied, dropped below.
+    skip = {k for k, v in norm.__dict__.items() if ("hook" in k or k.startswith("_ln_")) and isinstance(v, dict)}
+    skip |= {ATTR, SITE_ATTR, OUT_ATTR, hooks.WEIGHT_ATTR} & norm.__dict__.keys()
+    out = copy.deepcopy(norm, {id(norm.__dict__[k]): None for k in skip})
+    out.__class__ = hooks.original_class(norm)
+    for k in skip:
+        out.__dict__.pop(k, None)
+        if "hook" in k and not k.startswith("_ln_"):
+            out.__dict__[k] = OrderedDict()
+    for name in list(out._parameters):
+        p = out._parameters.pop(name)
+        out.register_buffer(name, None if p is None else p.detach().clone(), persistent=True)
+    return out
+
+
+def _freeze_into(frozen: nn.Module, norm: nn.Module) -> None:
+    for name, b in frozen._buffers.items():
+        p = getattr(norm, name, None)
+        if isinstance(b, torch.Tensor) and isinstance(p, torch.Tensor):
+            b.copy_(p.detach())
 
 
 def _set_gain(norm: nn.Module, gain: torch.Tensor) -> None:
@@ -396,9 +446,14 @@ class BlendNormalizeBranchInput(hooks.NormalizeBranchInput):
     """Entry hook during the transition: the branch reads `(1-a)*x + a*LN(x)`."""
 
     def normalized(self, t: torch.Tensor) -> torch.Tensor:
+        d = self.transition.stream_divisor(self.norm, t)
+        if isinstance(self.norm, InputScale):  # output: x / D_k, exactly x at a = 0 and x / C_k at a = 1
+            if d is None:
+                return t
+            with hooks.our_normalization():
+                return t / d
         with hooks.weighted(self.norm, self.transition.blend):
             y = self.norm.normalize(t)
-        d = self.transition.stream_divisor(self.norm, t)
         return _mix(self.transition, t if d is None else t / d, y)
 
 
@@ -552,10 +607,16 @@ def start(model: nn.Module, converted: Iterable[tuple[str, bool]], added: Iterab
     t = Transition(steps, kind, device=ref.device if ref is not None and ref.device.type != "meta" else None,
                    sites=len(sites), finals=len(finals) if sites else 0)
     for k, m in enumerate(sites):
-        m.__dict__[SITE_ATTR] = k
         t.sites[k], t.site_stack[k] = scales[k], stacks[k]
         if isinstance(scales[k], norm_types()):  # peri: the output norm whose gain the measurement sets
             scales[k].__dict__[OUT_ATTR] = k
+            t.out_norms[k] = scales[k]
+        elif isinstance(scales[k], InputScale):  # output: the moved norm, at the exit, and the entry's divisor
+            t.frozen[str(k)] = _frozen_copy(m)
+            m.__dict__[OUT_ATTR] = k
+            scales[k].__dict__[SITE_ATTR] = k
+            t.out_norms[k] = m
+        m.__dict__[SITE_ATTR] = k
     for block in blocks:
         if type(block) in enc + dec:
             block.__dict__[_PREV_CLASS] = type(block)

@@ -26,10 +26,11 @@ from ln_lightning.placement import black_box, hooks
 from ln_lightning.placement.checks import CheckFailed, SublayerCheck, check_hooked, relative_error
 from ln_lightning.placement.plan import RewritePlan, Unrecognised
 from ln_lightning.placement.report import BlockInfo, SublayerInfo
-from ln_lightning.placement.scale import BranchScale
+from ln_lightning.placement.scale import BranchScale, InputScale
 
 
-# On a branch_scale="stream" BranchScale (pre) or added output norm (peri): the norm whose stream its branch reads.
+# On a branch_scale="stream" BranchScale (pre), added output norm (peri) or InputScale (output): the norm whose stream
+# its branch reads.
 STREAM_SITE_ATTR = "ln_lightning_stream_site"
 
 
@@ -364,6 +365,9 @@ class HookedHandler(Handler):
     def _out_norm_name(self, sub: HookedSublayer) -> str:
         return f"{sub.name.replace('.', '_')}_out_norm"
 
+    def _in_scale_name(self, sub: HookedSublayer) -> str:
+        return f"{sub.name.replace('.', '_')}_in_scale"
+
     def can_convert_to(self, placement, scales: ScaleFactory | None = None):
         reason = self._refusal(placement, scales)
         if reason and len(self.streams) > 1:
@@ -452,6 +456,15 @@ class HookedHandler(Handler):
             if target == "output":
                 hooks.defer_norm(norm)
                 self._get(p.exit_module).register_forward_hook(hooks.NormalizeBranchOutput(norm, p.exit_index, deferred=True))
+                if scales.kind == "stream" and s.written == "post":
+                    # The stream-scaled transition to output (placement/blend.py): the branch reads x / C_k, and the
+                    # moved norm's gain becomes C_k times the trained branch output's spread.
+                    w = next(iter(norm.parameters()), None)
+                    entry = InputScale(1.0, device=None if w is None else w.device, dtype=None if w is None else w.dtype)
+                    entry.__dict__[STREAM_SITE_ATTR] = norm
+                    added.append(self._add(self._in_scale_name(s), entry))
+                    for e in p.entries:
+                        self._get(e.module).register_forward_pre_hook(hooks.NormalizeBranchInput(entry, e.arg_positions, e.kwarg_names), with_kwargs=True)
             scale = scales(norm) if target == "pre" else None
             if scale is not None:
                 added.append(self._add(self._scale_name(s), scale))
@@ -488,8 +501,9 @@ class HookedHandler(Handler):
             out_norm = self._get(self._out_norm_name(s)) if (target == "peri" and s.written != "peri") else None
             if target == "output" and s.written in ("post", "pre"):
                 out_norm = self._get(s.norm)
+            in_norm = self._get(s.norm) if ours else self._in_scale(s, target)
             specs[s.stream].append(SublayerCheck(
-                entries=p.entries if ours else [], in_norm=self._get(s.norm) if ours else None,
+                entries=p.entries if in_norm is not None else [], in_norm=in_norm,
                 exit_module=p.exit_module if p is not None else None, exit_index=p.exit_index if p is not None else None,
                 out_norm=out_norm, scale=getattr(self.block, self._scale_name(s), None),
                 through=self._get(s.norm) if s.written == "post" else None,
@@ -517,12 +531,17 @@ class HookedHandler(Handler):
             bounds.append(bound)
         return err, _MaxOf(bounds)
 
+    def _in_scale(self, s: HookedSublayer, target: str) -> InputScale | None:
+        """The stream-scaled output placement's entry scale of sublayer `s` (x / C_k), if it has one."""
+        m = getattr(self.block, self._in_scale_name(s), None) if target == "output" and s.written == "post" else None
+        return m if isinstance(m, InputScale) else None
+
     def _reference_sublayer(self, s: HookedSublayer, target: str) -> black_box.ReferenceSublayer:
         """What the target placement makes of sublayer `s`: the norm at its branch input, the norm on its
         branch output, its scale (see `_MOVES`), as paths inside the block."""
         if s.written not in ("post", "pre", "peri") or target not in ("pre", "peri", "output") or (s.written, target) == ("post", "post"):
             raise CheckFailed(f"sublayer {s.name}: no black-box reference for {s.written} -> {target}")
-        into = s.norm if target in ("pre", "peri") else None
+        into = s.norm if target in ("pre", "peri") else (self._in_scale_name(s) if self._in_scale(s, target) is not None else None)
         out = {
             "pre": None,
             "peri": s.out_norm if s.written == "peri" else self._out_norm_name(s),

@@ -51,6 +51,16 @@ def normalizing() -> bool:
     return getattr(_state, "normalizing", 0) > 0
 
 
+@contextlib.contextmanager
+def our_normalization():
+    """Ops inside are the rewrite's own (a deferred norm's normalisation, an entry's stream scale), not the user's."""
+    _state.normalizing = getattr(_state, "normalizing", 0) + 1
+    try:
+        yield
+    finally:
+        _state.normalizing -= 1
+
+
 WEIGHT_ATTR = "ln_lightning_blend_weight"  # a norm's instance attribute: its normalisations weigh the blend `a`
 
 
@@ -166,8 +176,9 @@ class DeferredNorm:
         return _add_hook(self.__dict__["_ln_pre_hooks"], self.__dict__["_ln_pre_kw"], hook, prepend, with_kwargs)
 
     def __reduce_ex__(self, protocol):
-        # The class is made at run time; pickle the instance as "base class + state" instead.
-        return _rebuild_mixed, (DeferredNorm, type(self).__mro__[2], self.__dict__)
+        # The class is made at run time; pickle the instance as "base class + state" instead. The state goes third
+        # (set once the instance exists), so a cycle back to this norm (a transition listing it) finds it.
+        return _new_mixed, (DeferredNorm, type(self).__mro__[2]), self.__dict__
 
 
 def _add_hook(hooks_dict, kw_dict, hook, prepend, with_kwargs):
@@ -192,7 +203,12 @@ def _mixed_class(mixin: type, base: type) -> type:
     return cls
 
 
-def _rebuild_mixed(mixin: type, base: type, state: dict) -> nn.Module:
+def _new_mixed(mixin: type, base: type) -> nn.Module:
+    cls = _mixed_class(mixin, base)
+    return cls.__new__(cls)
+
+
+def _rebuild_mixed(mixin: type, base: type, state: dict) -> nn.Module:  # what earlier pickles call
     cls = _mixed_class(mixin, base)
     obj = cls.__new__(cls)
     obj.__dict__.update(state)
@@ -244,7 +260,7 @@ class BypassableNorm:
         return super().forward(x, *args, **kwargs)
 
     def __reduce_ex__(self, protocol):
-        return _rebuild_mixed, (BypassableNorm, type(self).__mro__[2], self.__dict__)
+        return _new_mixed, (BypassableNorm, type(self).__mro__[2]), self.__dict__
 
 
 def make_bypassable(norm: nn.Module) -> None:

@@ -34,10 +34,11 @@ def validate_options(placement="pre", *, final_norm=True, branch_scale=None, str
                 raise PlacementError(f"unknown branch_scale {branch_scale!r}; valid values are {BRANCH_SCALES}")
         elif isinstance(branch_scale, bool) or not isinstance(branch_scale, (int, float)) or not math.isfinite(branch_scale) or branch_scale <= 0:
             raise PlacementError(f"branch_scale={branch_scale!r} is not valid; valid values are {BRANCH_SCALES}")
-        if placement not in ("pre", "mix") and not (placement == "peri" and branch_scale == "stream"):
+        if placement not in ("pre", "mix") and not (placement in ("peri", "output") and branch_scale == "stream"):
             raise PlacementError(
                 f"branch_scale applies to pre-norm branches (x + c*F(LN(x))), with placement 'pre' or 'mix' (and "
-                f"'stream', a transition's measured scales, with 'peri' too); use branch_scale=None with placement={placement!r}"
+                f"'stream', a transition's measured scales, with 'peri' and 'output' too); use branch_scale=None with "
+                f"placement={placement!r}"
             )
     if layerscale_init is not None:
         if branch_scale != "layerscale":

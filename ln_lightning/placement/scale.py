@@ -50,3 +50,33 @@ class BranchScale(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.gamma.numel()}, learnable" if self.learnable else f"c={self.c.item():.4g}"
+
+
+class InputScale(nn.Module):
+    """Divides what a branch reads by a constant: `x + N(F(x / c))`, the stream-scaled "output" placement.
+
+    The output-norm form of a post-norm model (`x + N(F(x))`) feeds each branch the raw stream, which grows
+    along the stack; `c` (branch_scale="stream": measured by a transition, `C_k = prod sigma_i / |gamma_i|`) brings
+    it back to the scale the trained branch read. A persistent buffer: every checkpoint and saved model carries
+    it. Its entry hook calls `normalize` as a norm's would.
+    """
+
+    def __init__(self, value: float = 1.0, device=None, dtype=None):
+        super().__init__()
+        self.register_buffer("c", torch.tensor(float(value), device=device, dtype=dtype), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.c
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """What the entry hook calls (as a norm's): the recording tells this division from the user's reads."""
+        from ln_lightning.placement import hooks
+
+        with hooks.our_normalization():
+            return self.forward(x)
+
+    def value(self) -> torch.Tensor:
+        return self.c
+
+    def extra_repr(self) -> str:
+        return f"c={self.c.item():.4g}"
