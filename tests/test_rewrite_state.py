@@ -107,6 +107,35 @@ def test_plugin_less_continuation_starts_from_the_trained_norms(kind, tmp_path):
         assert rel(module.eval().model(batch(3)), stream_ref.eval()(batch(3))) <= 1e-6
 
 
+@pytest.mark.parametrize("placement", ["peri", "output"])
+def test_a_plugin_less_transition_to_peri_or_output_ends_at_convert_of_the_trained_model(placement, tmp_path):
+    # The fresh module's norms differ from the checkpoint's: output's kept call-site gains and both placements'
+    # exit gains must come from the trained ones, which arrive after the rewrite.
+    path, saved = plugin_less_checkpoint(tmp_path, kind="demo")
+    first, module = FirstStep(), LM("demo", lr=0.0, seed=5)
+    trainer(tmp_path, LNPlacement(placement, transition_steps=2, resume_unconverted=True, fused=False, log_report=False),
+            max_steps=4, callbacks=[first]).fit(module, train_dataloaders=loader(), ckpt_path=path)
+    plain = LM("demo", seed=7)
+    plain.load_state_dict(saved["state_dict"])
+    stream_ref = stream_reference(plain.model, batch(1), placement)
+    with torch.no_grad():
+        assert torch.equal(first.output, plain.eval().model(batch(3)))
+        assert transition.active(module) is None
+        assert rel(module.eval().model(batch(3)), stream_ref.eval()(batch(3))) <= 1e-6
+    # Mid-way too (output's call sites normalise with the kept gains there): the trained model's own transition.
+    mid = LM("demo", lr=0.0, seed=5)
+    with pytest.warns(LNLightningWarning, match="ended during the transition"):
+        trainer(tmp_path, LNPlacement(placement, transition_steps=4, resume_unconverted=True, fused=False, log_report=False),
+                max_steps=saved["global_step"] + 2).fit(mid, train_dataloaders=loader(), ckpt_path=path)
+    direct = copy.deepcopy(plain.model).eval()
+    transition.begin(direct, placement, branch_scale="stream")
+    assert transition.measure_stream_scales(direct, lambda: direct(batch(1))) is None
+    transition.set_blend(direct, 0.5)
+    with torch.no_grad():
+        assert transition.get_blend(mid) == 0.5
+        assert rel(mid.eval().model(batch(3)), direct(batch(3))) <= 1e-6
+
+
 def test_a_raw_accepted_load_starts_the_final_norm_from_the_trained_norm():
     trained = trained_looking(LM("demo", seed=1))
     model = LM("demo", seed=2)
