@@ -564,21 +564,45 @@ def _script(mode: str, out: str) -> None:
 
     from ln_lightning.testing.dist import DestroyProcessGroupAtExit
 
-    torch.set_num_threads(1)
-    strategy = "ddp" if mode == "ddp" else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    module = LM("demo") if mode == "ddp" else MPLM("demo")
-    t = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False, enable_progress_bar=False,
-                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-                default_root_dir=out, plugins=[LNPlacement("pre", transition_steps=3, fused=False, log_report=False)],
-                callbacks=[BlendFile(out), DestroyProcessGroupAtExit()])
-    t.fit(module, train_dataloaders=loader())
     import json
 
+    torch.set_num_threads(1)
+    strategy = "ddp" if mode == "ddp" else ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    placement = "output" if mode.endswith("-output") else "pre"
+    # (output at lr 0: the gains its call sites keep, taken after the first step, are the trained ones)
+    module = LM("demo") if mode == "ddp" else MPLM("demo", **({"lr": 0.0} if placement == "output" else {}))
+    kept = KeptGainsFile(out)
+    if placement == "output":  # trained-looking gains, the same on both ranks: what the call sites must keep
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            for m in module.model.blocks.modules():
+                if isinstance(m, nn.LayerNorm):
+                    m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+        kept.trained = sorted(m.weight.tolist() for m in module.model.blocks.modules() if isinstance(m, nn.LayerNorm))
+    t = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+                default_root_dir=out, plugins=[LNPlacement(placement, transition_steps=3, fused=False, log_report=False)],
+                callbacks=[BlendFile(out), kept, DestroyProcessGroupAtExit()])
+    t.fit(module, train_dataloaders=loader())
     Path(out, f"left_rank{t.global_rank}.json").write_text(json.dumps(transition.leftovers(module)))
 
 
+class KeptGainsFile(Callback):
+    """After the first step, each rank writes the gains output's call sites keep (whole, on FSDP2) and the trained ones."""
+
+    def __init__(self, out: str):
+        self.out, self.trained = out, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, b, batch_idx):
+        import json
+
+        if trainer.global_step == 1 and self.trained is not None:  # (the first step: measured, mid-blend)
+            kept = sorted(v.tolist() for n, v in pl_module.named_buffers() if ".frozen." in n and n.endswith(".weight"))
+            Path(self.out, f"kept_rank{trainer.global_rank}.json").write_text(json.dumps([kept, self.trained]))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp2-output"])
 def test_ddp_and_fsdp2_every_rank_has_the_same_blend(mode, tmp_path):
     import json
     import os
@@ -598,6 +622,10 @@ def test_ddp_and_fsdp2_every_rank_has_the_same_blend(mode, tmp_path):
         assert all(k[i] is not None for k in kl for i in range(3))
     else:
         assert all(v is None for k in kl for v in k)
+    if mode == "fsdp2-output":  # the call sites kept the trained gains, gathered whole from their shards on each rank
+        for r in range(2):
+            kept, trained = json.loads(Path(tmp_path, f"kept_rank{r}.json").read_text())
+            assert len(kept) == 4 and kept == trained
 
 
 if __name__ == "__main__":

@@ -314,8 +314,6 @@ class Transition(nn.Module):
             if ungained:
                 reason = ("an output norm has no `weight` gain (elementwise_affine=False, or a class that names it "
                           "otherwise) to hold its branch's stream scale")
-            elif any(hasattr(self.out_norms[k].weight, "to_local") for k in outs if str(k) in self.frozen):
-                reason = "a moved norm is sharded (DTensor); its trained gain can't be kept for the call site"
         ratio_of = {slot: r for kind, slot, r in events if kind == "site" and counts.get(slot) == 1}
         spread_of = {slot: r for kind, slot, r in events if kind == "out"}
         local = torch.zeros(n, device=dev)
@@ -396,7 +394,7 @@ def _frozen_copy(norm: nn.Module) -> nn.Module:
             out.__dict__[k] = OrderedDict()
     for name in list(out._parameters):
         p = out._parameters.pop(name)
-        out.register_buffer(name, None if p is None else p.detach().clone(), persistent=True)
+        out.register_buffer(name, None if p is None else _full(p.detach()).clone(), persistent=True)
     return out
 
 
@@ -404,7 +402,7 @@ def _freeze_into(frozen: nn.Module, norm: nn.Module) -> None:
     for name, b in frozen._buffers.items():
         p = getattr(norm, name, None)
         if isinstance(b, torch.Tensor) and isinstance(p, torch.Tensor):
-            b.copy_(p.detach())
+            b.copy_(_full(p.detach()))  # (every rank calls this, in the same order: the gather of a sharded one)
 
 
 def _set_gain(norm: nn.Module, gain: torch.Tensor) -> None:
@@ -423,6 +421,12 @@ def _set_gain(norm: nn.Module, gain: torch.Tensor) -> None:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) tensor's whole value on every rank; a plain one as it is. The frozen call-site norm
+    normalises each rank's whole activations, so it holds whole gains."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _ramp(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
