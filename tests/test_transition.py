@@ -472,6 +472,38 @@ def test_x_transformers_slot_final_norm_blends():
     assert transition.leftovers(model) == [] and torch.equal(model(x), ref(x))
 
 
+@pytest.mark.parametrize("placement", ["peri", "output"])
+def test_x_transformers_stream_scaled_peri_and_output_hold_the_scale_in_gamma(placement):
+    # x-transformers' LayerNorm keeps its gain in `gamma` (plus `unit_offset`) around an affine-free nn.LayerNorm.
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    model = xt.TransformerWrapper(num_tokens=64, max_seq_len=16,
+                                  attn_layers=xt.Decoder(dim=32, depth=3, heads=2, pre_norm=False)).eval()
+    with torch.no_grad():  # trained-looking gains: the stream's constants well above 1
+        for m in model.modules():
+            if isinstance(getattr(m, "gamma", None), nn.Parameter):
+                m.gamma.uniform_(0.2, 0.4)
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        post = model(x)
+    plain = copy.deepcopy(model)
+    transition.begin(model, placement, branch_scale="stream", example_input=x[:1])
+    assert transition.measure_stream_scales(model, lambda: model(x[:1])) is None  # measured, not the plain fallback
+    transition.begin(plain, placement, example_input=x[:1])
+    with torch.no_grad():
+        assert torch.equal(model(x), post)
+        transition.set_blend(model, 0.5), transition.set_blend(plain, 0.5)
+        assert rel(model(x), post) < 0.25 * rel(plain(x), post)  # (measured: 0.16 / 0.09 against 1.1)
+        transition.set_blend(model, 1.0)
+        at_one = model(x)
+        transition.finish(model)
+        assert torch.equal(model(x), at_one) and transition.leftovers(model) == []
+    # The exit norms (peri: the added ones; output: the layers' own, moved) hold one measured value per norm.
+    exit_gains = [m.gamma for n, m in model.named_modules() if isinstance(getattr(m, "gamma", None), nn.Parameter)
+                  and (n.endswith("_out_norm") if placement == "peri" else n.startswith("attn_layers.layers."))]
+    assert len(exit_gains) == 6 and all(len(set(g.tolist())) == 1 and g[0] != 1.0 for g in exit_gains)
+
+
 def test_transition_steps_on_a_model_already_converted_is_refused(tmp_path):
     module = LM("demo")
     convert(module, "pre")
@@ -793,7 +825,7 @@ def test_stream_scaled_peri_and_output_without_exit_gains_run_the_plain_blend_an
     plain = copy.deepcopy(model)
     transition.begin(model, placement, branch_scale="stream")
     reason = transition.measure_stream_scales(model, lambda: model(batch(1)))
-    assert reason is not None and "no `weight` gain" in reason
+    assert reason is not None and "has no gain" in reason
     transition.begin(plain, placement)
     x = batch(3)
     for a in (0.5, 1.0):

@@ -310,10 +310,10 @@ class Transition(nn.Module):
         if reason is None and (len(out_order) != len(set(out_order)) or set(out_order) != set(outs)):
             reason = "a branch with an output norm ran more than once, or not at all, in the first training forward"
         if reason is None and outs:
-            ungained = [k for k in outs if not isinstance(getattr(self.out_norms[k], "weight", None), torch.Tensor)]
+            ungained = [k for k in outs if _gain_param(self.out_norms[k]) is None]
             if ungained:
-                reason = ("an output norm has no `weight` gain (elementwise_affine=False, or a class that names it "
-                          "otherwise) to hold its branch's stream scale")
+                reason = ("an output norm has no gain (`weight`, or x-transformers' `gamma` / `g`; "
+                          "elementwise_affine=False has none) to hold its branch's stream scale")
         ratio_of = {slot: r for kind, slot, r in events if kind == "site" and counts.get(slot) == 1}
         spread_of = {slot: r for kind, slot, r in events if kind == "out"}
         local = torch.zeros(n, device=dev)
@@ -408,15 +408,28 @@ def _freeze_into(frozen: nn.Module, norm: nn.Module) -> None:
 def _set_gain(norm: nn.Module, gain: torch.Tensor) -> None:
     """Set an output norm's gain to `gain` (every channel), its bias to 0, whatever the class stores (Gemma's
     `1 + w` stores gain - 1)."""
-    from ln_lightning.norm import kinds
-
-    spec = kinds.recognize_norm(norm)
+    w, offset = _gain_param(norm)
     # One value for every channel: each shard of a sharded (DTensor) weight is filled with it in place.
-    w = _local(norm.weight)
-    w.fill_((gain - 1.0 if spec is not None and spec.unit_offset else gain).to(device=w.device, dtype=w.dtype))
+    w = _local(w)
+    w.fill_((gain - offset).to(device=w.device, dtype=w.dtype))
     b = getattr(norm, "bias", None)
     if isinstance(b, torch.Tensor):
         _local(b).zero_()
+
+
+def _gain_param(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """A norm's gain parameter and what its forward adds to it, as `stream_scale.norm_statistics` reads them:
+    `weight` (torch, Hugging Face; Gemma's `1 + w` adds 1), x-transformers' `gamma` / `g` (plus `unit_offset`)."""
+    from ln_lightning.norm import kinds
+
+    for name in ("weight", "gamma", "g"):
+        p = getattr(norm, name, None)
+        if isinstance(p, torch.Tensor):
+            if name == "weight":
+                spec = kinds.recognize_norm(norm)
+                return p, 1.0 if spec is not None and spec.unit_offset else 0.0
+            return p, float(getattr(norm, "unit_offset", 0.0) or 0.0)
+    return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
