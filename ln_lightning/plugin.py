@@ -566,6 +566,14 @@ class LNPlacement(LayerSync, Callback):
     def _end_measurement(self, trainer: Trainer, t) -> None:
         self._run.measuring, self._run.measured = False, True
         reason = t.end_measurement(lambda x: trainer.strategy.reduce(x, reduce_op="mean"))
+        if reason is None:
+            # Output: a moved norm's parameters now serve its branch exit (its call site keeps what they were), so
+            # the gradient and optimizer state they gathered at the call site go (a fresh parameter's, from here).
+            for p in t.moved_parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+                for opt in trainer.optimizers:
+                    opt.state.pop(p, None)
         if reason is None:  # (the values stay on the device: ln_lightning_transition.site_before, the branches' c)
             info(log, f"LNPlacement: stream scales measured on the first training batch ({t.site_before.numel()} branches); "
                  "the branches keep their trained weights in the stream"

@@ -512,6 +512,26 @@ def test_transition_steps_on_a_model_already_converted_is_refused(tmp_path):
             module, train_dataloaders=loader())
 
 
+class AdamSteps(Callback):
+    """After the second optimizer step: AdamW's step count per parameter name."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, b, batch_idx):
+        if trainer.global_step == 2 and not hasattr(self, "steps"):
+            state = trainer.optimizers[0].state
+            self.steps = {n: int(state[p]["step"]) for n, p in pl_module.named_parameters() if p in state}
+
+
+def test_output_moved_norms_start_their_exit_role_with_fresh_optimizer_state(tmp_path):
+    # At the measurement (the first step) a moved norm's gain stops serving its call site (which keeps its values)
+    # and starts serving the branch exit: the AdamW moments it gathered at the call site are dropped there.
+    rec = AdamSteps()
+    trainer(tmp_path, LNPlacement("output", transition_steps=4, fused=False, log_report=False), max_steps=3,
+            callbacks=[rec]).fit(LM("demo"), train_dataloaders=loader())
+    moved = {n: v for n, v in rec.steps.items() if n.endswith(("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"))}
+    assert len(moved) == 8 and set(moved.values()) == {1}
+    assert {v for n, v in rec.steps.items() if n not in moved} == {2}
+
+
 @pytest.mark.parametrize("placement", ["pre", "output"])
 def test_gradient_accumulation_keeps_one_blend_per_optimizer_step(placement, tmp_path):
     rec = BlendRecorder()
@@ -869,6 +889,42 @@ def test_plugin_peri_and_output_transitions_measure_the_exit_gains_and_resume(pl
     if placement == "output":  # each branch reads the stream divided by its measured C_k (the first branch's is 1)
         scales = [float(v) for k, v in a.items() if k.endswith("_in_scale.c")]
         assert len(scales) == 4 and scales[0] == 1.0 and len(set(scales)) == 4
+
+
+def test_the_output_endpoint_is_the_hand_written_formula():
+    """x <- x + N'_k(F_k(x / C_k)), written out for the demo LM from its post-norm forward, with C_k and the exit
+    gains computed here by hand (not with the product's helpers): C_{k+1} = C_k * sigma_k / mean|gamma_k|, sigma_k
+    the mean over tokens of sqrt(var + eps) of norm k's input, and N'_k's gain C_k times the mean over tokens of
+    the trained branch output's std, its bias 0."""
+    model = make("demo").eval()
+    with torch.no_grad():  # trained-looking gains and biases
+        g = torch.Generator().manual_seed(3)
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.copy_(0.2 + 0.3 * torch.rand(m.weight.shape, generator=g))
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+    unconverted = copy.deepcopy(model)
+    x, probe = batch(3), batch(1)
+    transition.begin(model, "output", branch_scale="stream")
+    assert transition.measure_stream_scales(model, lambda: model(probe)) is None
+    transition.finish(model)
+    sublayers = [pair for b in unconverted.blocks for pair in ((b.attn, b.ln1), (b.mlp, b.ln2))]
+    with torch.no_grad():
+        h, c, scales, gains = unconverted.tok_emb(probe) + unconverted.pos_emb(torch.arange(probe.shape[1])), 1.0, [], []
+        for f, norm in sublayers:  # the trained post-norm forward, measured
+            v = f(h)
+            s = h + v
+            scales.append(c)
+            gains.append(c * v.std(-1, unbiased=False).mean().item())
+            c *= ((s.var(-1, unbiased=False) + norm.eps).sqrt().mean() / norm.weight.abs().mean()).item()
+            h = norm(s)
+        last = unconverted.blocks[-1].ln2  # the final norm convert adds: a copy of the stack's last norm
+        h = unconverted.tok_emb(x) + unconverted.pos_emb(torch.arange(x.shape[1]))
+        for (f, norm), ck, gk in zip(sublayers, scales, gains):
+            v = f(h / ck)
+            h = h + F.layer_norm(v, v.shape[-1:], torch.full_like(norm.weight, gk), torch.zeros_like(norm.bias), norm.eps)
+        expected = unconverted.head(F.layer_norm(h, h.shape[-1:], last.weight, last.bias, last.eps))
+        assert rel(model(x), expected) <= 1e-5
 
 
 def test_plugin_mix_transition_scales_the_converted_blocks_only(tmp_path):

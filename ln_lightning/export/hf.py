@@ -55,7 +55,8 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, native: b
     """Save a converted Hugging Face model so that no loader computes the old function with its weights.
 
     ``model``: the converted Hugging Face model (by ``convert``, ``LNPlacement``, ``load_converted`` or
-    ``from_pretrained``, mid-transition included), or a LightningModule holding one. ``native``: ``None`` (default)
+    ``from_pretrained``, mid-transition included, but not mid-way through the stream-scaled transition to
+    ``"output"``, which is refused with the reason), or a LightningModule holding one. ``native``: ``None`` (default)
     writes the family's native pre-norm class where it has one (RoBERTa -> RobertaPreLayerNorm, BART -> mBART,
     post-norm OPT -> pre-norm OPT; plain ``AutoModel.from_pretrained`` then loads the converted function without
     ln_lightning) and the remote-code form elsewhere; ``True`` requires the native class (PlacementError with the

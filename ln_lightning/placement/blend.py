@@ -23,8 +23,8 @@ The stream-scaled blend (`branch_scale="stream"`) measures each branch's constan
 batch and moves the stream between the two scalings, `D_k = (1-a) + a*C_k`: to pre the branch scale ramps to
 `C_k`; to peri the added output norm's gain is `C_k` times the trained branch output's spread and the exit
 writes `(1-a)*D_k*v + (a*D_k/C_k)*N_out(v)`; to output the branch reads `x / D_k` (an `InputScale` at its
-entries), the moved norm at the exit gets that gain, and its call site normalises with the trained gain and
-bias, kept in `Transition.frozen` (buffers) until the blend ends.
+entries), the moved norm at the exit gets that gain, and its call site normalises with the gain and bias it
+had when measured, kept in `Transition.frozen` (buffers) until the blend ends.
 
 `start` switches a converted model into the blend; `finish` removes every piece of it, leaving the model
 exactly as `convert` left it (fused torch layers included), at plain speed. The pieces:
@@ -154,6 +154,10 @@ class Transition(nn.Module):
         super().__setstate__(state)
         self._host_steps = None  # unpickled elsewhere (a spawned worker): read the buffer once
         self._host_scales_state = None
+        if "out_norms" not in self.__dict__:  # pickled before output's stream scales: peri's sites are its out norms
+            self.out_norms = [m if m is not None and m.__dict__.get(OUT_ATTR) is not None else None for m in self.sites]
+        if "frozen" not in self._modules:
+            self.frozen = nn.ModuleDict()
 
     @property
     def host_steps(self) -> int:
@@ -205,11 +209,20 @@ class Transition(nn.Module):
         if slot is None:
             return (1 - a) * y + a * h
         self._record_site(slot, norm, h)
-        frozen = self.frozen[str(slot)] if str(slot) in self.frozen else None
-        if frozen is not None and self.scaled and not self.needs_measurement:
-            # Output: the moved norm's gain now serves the exit; the post-norm term keeps the trained one.
-            y = frozen(h)
         return (1 - a) * (_ramp(a, self.site_after[slot]) * y) + a * h
+
+    def call_site_params(self, norm: nn.Module) -> dict[str, torch.Tensor] | None:
+        """What `norm` normalises with at its call site in place of its parameters (output, once measured: the
+        gains it had, its own now serving the branch exit), or None (its own)."""
+        slot = norm.__dict__.get(SITE_ATTR)
+        if slot is None or str(slot) not in self.frozen or not self.scaled or self.needs_measurement:
+            return None
+        return self.frozen[str(slot)].params_for(norm)
+
+    def moved_parameters(self) -> list[torch.Tensor]:
+        """The parameters of the norms the output transition moved to their branch exits (their role changed at the
+        measurement: the plugin drops their gradient and optimizer state there)."""
+        return [p for k, m in enumerate(self.out_norms) if m is not None and str(k) in self.frozen for p in m.parameters()]
 
     def stream_divisor(self, norm: nn.Module, like: torch.Tensor) -> torch.Tensor | None:
         """D_k = (1-a) + a*C_k for the branch reading `norm`'s site (None: not a scaled site)."""
@@ -314,6 +327,9 @@ class Transition(nn.Module):
             if ungained:
                 reason = ("an output norm has no gain (`weight`, or x-transformers' `gamma` / `g`; "
                           "elementwise_affine=False has none) to hold its branch's stream scale")
+            elif any(not self.frozen[str(k)].fits(self.out_norms[k]) for k in outs if str(k) in self.frozen):
+                reason = ("a moved norm's parameters are flattened shards (FSDP1, FSDPStrategy), so the gains its call "
+                          "site keeps can't be taken whole (ModelParallelStrategy, FSDP2, can)")
         ratio_of = {slot: r for kind, slot, r in events if kind == "site" and counts.get(slot) == 1}
         spread_of = {slot: r for kind, slot, r in events if kind == "out"}
         local = torch.zeros(n, device=dev)
@@ -355,8 +371,8 @@ class Transition(nn.Module):
             for f, site in final_of.items():
                 self.final_scale[f] = after[last_of_stack[self.site_stack[site]]]
             for k, scale in enumerate(self.sites):
-                if str(k) in self.frozen:  # output: the call site keeps the trained gain the exit is about to lose
-                    _freeze_into(self.frozen[str(k)], self.out_norms[k])
+                if str(k) in self.frozen:  # output: the call site keeps the trained gain the exit is about to take
+                    self.frozen[str(k)].fill_from(self.out_norms[k])
                 if self.is_output_site(k):  # N_out(v) ~ C_k * v: a gain of C_k times the spread it normalises away
                     _set_gain(self.out_norms[k], before[k] * spread[k] / count[k])
                 if isinstance(scale, (BranchScale, InputScale)):
@@ -376,33 +392,31 @@ class Transition(nn.Module):
         self._host_scales_state = 2
 
 
-def _frozen_copy(norm: nn.Module) -> nn.Module:
-    """A plain copy of `norm` (its original class, no hooks) whose parameters are buffers: the output transition's
-    call site normalises with it (persistent: a resume gets the gains it kept; no parameter: no optimizer or DDP
-    sees it)."""
-    import copy
-    from collections import OrderedDict
+class _KeptGains(nn.Module):
+    """The gains (and bias) a norm the output transition moved to its branch exit had when the stream scales were
+    measured, as buffers: its old call site (after the add) normalises with them while the blend lasts, and the
+    norm's own gain serves the exit. Persistent (a resume gets them); buffers (no optimizer or DDP sees them); not
+    a norm (monitors and the fused swap don't take it for one)."""
 
-    # Hooks (a monitor's, the rewrite's) and our attributes point into the model: not copied, dropped below.
-    skip = {k for k, v in norm.__dict__.items() if ("hook" in k or k.startswith("_ln_")) and isinstance(v, dict)}
-    skip |= {ATTR, SITE_ATTR, OUT_ATTR, hooks.WEIGHT_ATTR} & norm.__dict__.keys()
-    out = copy.deepcopy(norm, {id(norm.__dict__[k]): None for k in skip})
-    out.__class__ = hooks.original_class(norm)
-    for k in skip:
-        out.__dict__.pop(k, None)
-        if "hook" in k and not k.startswith("_ln_"):
-            out.__dict__[k] = OrderedDict()
-    for name in list(out._parameters):
-        p = out._parameters.pop(name)
-        out.register_buffer(name, None if p is None else _full(p.detach()).clone(), persistent=True)
-    return out
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.names = [n for n, _ in norm.named_parameters()]
+        for n, p in norm.named_parameters():
+            self.register_buffer(n.replace(".", "__"), _full(p.detach()).clone(), persistent=True)
 
+    def fits(self, norm: nn.Module) -> bool:
+        """Whether `norm`'s parameters are whole tensors of the kept shapes (a DTensor's shape is its whole one;
+        FSDP1's flattened shards are not)."""
+        return all(tuple(norm.get_parameter(n).shape) == tuple(getattr(self, n.replace(".", "__")).shape) for n in self.names)
 
-def _freeze_into(frozen: nn.Module, norm: nn.Module) -> None:
-    for name, b in frozen._buffers.items():
-        p = getattr(norm, name, None)
-        if isinstance(b, torch.Tensor) and isinstance(p, torch.Tensor):
-            b.copy_(_full(p.detach()))  # (every rank calls this, in the same order: the gather of a sharded one)
+    def fill_from(self, norm: nn.Module) -> None:
+        """Keep `norm`'s parameters as they are now (every rank calls this, in the same order: a DTensor gathers)."""
+        for n in self.names:
+            getattr(self, n.replace(".", "__")).copy_(_full(norm.get_parameter(n).detach()))
+
+    def params_for(self, norm: nn.Module) -> dict[str, torch.Tensor]:
+        """The kept values, in the dtype `norm` computes with now (FSDP2's mixed precision casts its parameters)."""
+        return {n: getattr(self, n.replace(".", "__")).to(norm.get_parameter(n).dtype) for n in self.names}
 
 
 def _set_gain(norm: nn.Module, gain: torch.Tensor) -> None:
@@ -629,7 +643,7 @@ def start(model: nn.Module, converted: Iterable[tuple[str, bool]], added: Iterab
             scales[k].__dict__[OUT_ATTR] = k
             t.out_norms[k] = scales[k]
         elif isinstance(scales[k], InputScale):  # output: the moved norm, at the exit, and the entry's divisor
-            t.frozen[str(k)] = _frozen_copy(m)
+            t.frozen[str(k)] = _KeptGains(m)
             m.__dict__[OUT_ATTR] = k
             scales[k].__dict__[SITE_ATTR] = k
             t.out_norms[k] = m

@@ -61,6 +61,25 @@ def our_normalization():
         _state.normalizing -= 1
 
 
+@contextlib.contextmanager
+def substituted(module: nn.Module, params: dict[str, torch.Tensor] | None):
+    """`module` computes with `params` (name -> tensor, nested names too) in place of its own parameters inside."""
+    if not params:
+        yield
+        return
+    saved = []
+    try:
+        for name, value in params.items():
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            saved.append((owner, leaf, owner._parameters[leaf]))
+            owner._parameters[leaf] = value
+        yield
+    finally:
+        for owner, leaf, p in reversed(saved):
+            owner._parameters[leaf] = p
+
+
 WEIGHT_ATTR = "ln_lightning_blend_weight"  # a norm's instance attribute: its normalisations weigh the blend `a`
 
 
@@ -142,7 +161,7 @@ class DeferredNorm:
         # the attribute is set on the instance by transition.start and removed by transition.finish.
         t = self.__dict__.get("ln_lightning_transition")
         if t is not None:  # a real normalisation (weighted 1-a): through normalize, so hooks and monitors see it
-            with weighted(self, 1 - t.blend):
+            with weighted(self, 1 - t.blend), substituted(self, t.call_site_params(self)):
                 y = self.normalize(x) if not args and not kwargs else super().forward(x, *args, **kwargs)
             return t.call_site(x, y, self)
         return x

@@ -31,12 +31,18 @@ from torch import nn
 
 def norm_statistics(norm: nn.Module) -> tuple[torch.Tensor | None, float, bool]:
     """(gain vector or None, eps, whether it is an RMS norm) of a norm, whatever its class spells them:
-    ``weight`` (torch, Hugging Face), ``gamma`` (x-transformers' LayerNorm, with its ``unit_offset``), ``g``
+    ``weight`` (torch, Hugging Face; Gemma's ``1 + w``), ``gamma`` (x-transformers' LayerNorm, with its ``unit_offset``), ``g``
     (x-transformers' RMSNorm); ``eps`` / ``variance_epsilon`` / ``epsilon``; RMS for ``nn.RMSNorm`` and any class
     named ``*RMS*``. The stream scale divides by the mean absolute gain."""
     gain = next((v for v in (getattr(norm, a, None) for a in ("weight", "gamma", "g")) if isinstance(v, torch.Tensor)), None)
     if gain is not None and getattr(norm, "unit_offset", False):
         gain = gain + 1.0
+    elif gain is not None and gain is getattr(norm, "weight", None):
+        from ln_lightning.norm import kinds
+
+        spec = kinds.recognize_norm(norm)
+        if spec is not None and spec.unit_offset:  # Gemma's `(1 + w)`: the gain is 1 + weight
+            gain = gain + 1.0
     eps = next((float(v) for v in (getattr(norm, a, None) for a in ("eps", "variance_epsilon", "epsilon"))
                 if isinstance(v, (int, float))), 0.0)
     rms = isinstance(norm, nn.RMSNorm) or "rms" in type(norm).__name__.lower()
