@@ -132,8 +132,9 @@ class LNPlacement(LayerSync, Callback):
             pre-norm's is 0.09). To ``"output"`` (``x + N(F(x))``) each branch reads the stream divided by a
             constant entry scale (``<branch>_in_scale.c``, ``C_k`` at the end, ``D_k = (1-a) + a C_k`` mid-way),
             and the moved norm, at the branch exit, gets the gain ``C_k`` times the trained branch output's
-            spread, while its call site keeps the trained gain and bias (buffers of the transition) until the
-            blend ends; the endpoint is ``convert(model, "output", branch_scale="stream")``. Such a model saves the
+            spread (its gradient and optimizer state start afresh there), while its call site keeps the gain and
+            bias it was trained to (buffers of the transition, taken at the measurement) until the blend ends; the
+            endpoint is ``convert(model, "output", branch_scale="stream")``. Such a model saves the
             Hugging Face way once the transition has ended, not mid-way (keep the Lightning checkpoint).
         transition_endpoint_fraction: the fraction of the transition's optimizer steps (never the first) that
             train at blend 1, the function the transition ends at, while the model holds the scheduled blend
@@ -566,7 +567,7 @@ class LNPlacement(LayerSync, Callback):
     def _end_measurement(self, trainer: Trainer, t) -> None:
         self._run.measuring, self._run.measured = False, True
         reason = t.end_measurement(lambda x: trainer.strategy.reduce(x, reduce_op="mean"))
-        if reason is None:
+        if reason is None:  # (the values stay on the device: ln_lightning_transition.site_before, the branches' c)
             # Output: a moved norm's parameters now serve its branch exit (its call site keeps what they were), so
             # the gradient and optimizer state they gathered at the call site go (a fresh parameter's, from here).
             for p in t.moved_parameters():
@@ -574,7 +575,6 @@ class LNPlacement(LayerSync, Callback):
                     p.grad.zero_()
                 for opt in trainer.optimizers:
                     opt.state.pop(p, None)
-        if reason is None:  # (the values stay on the device: ln_lightning_transition.site_before, the branches' c)
             info(log, f"LNPlacement: stream scales measured on the first training batch ({t.site_before.numel()} branches); "
                  "the branches keep their trained weights in the stream"
                  + {"peri": " (each output norm's gain set from its branch).",
