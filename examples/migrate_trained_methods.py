@@ -73,6 +73,9 @@ class _ScaledSite:
         a, b = self.t.a(h), self.own.a(h)
         return (1 - b) * (_scale(a, self.stream_scale.to(h.dtype)) * y) + b * h
 
+    def call_site_params(self, norm):  # the norm normalises with its own parameters here
+        return None
+
 
 class _ScaledOutput(blend.BlendNormalizeBranchOutput):
     """Peri's exit: D * ((1-b) * v + (b / C_k) * N_out(v)), D = (1-a) + a*C_k; N_out's gain starts at C_k times the
