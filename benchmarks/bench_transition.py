@@ -65,24 +65,18 @@ def arms(model: nn.Module, example) -> dict[str, tuple[nn.Module, nn.Module | No
     transition.finish(finished)  # pre-norm with the measured branch scales
     out = {"pre": (plain, None), "plain blend": (blended, None), "stream-scaled blend": (scaled, None),
            "stream-scaled blend + teacher (default)": (scaled, teacher), "finished": (finished, None)}
-    # To peri (hooked blocks only: torch's layers have no peri form): its conversion, and its default step.
-    peri = copy.deepcopy(model)
-    if convert(peri, "peri", example_input=example).converted:
-        to_peri = copy.deepcopy(model)
-        transition.begin(to_peri, "peri", branch_scale="stream", example_input=example)
-        assert transition.measure_stream_scales(to_peri, lambda: to_peri(example)) is None
-        peri_teacher = frozen_copy(to_peri)
-        transition.set_blend(to_peri, 0.5)
-        out.update({"peri": (peri, None), "peri stream-scaled blend + teacher (default)": (to_peri, peri_teacher)})
-    # To output likewise: the finished stream-scaled output model (its entry scales) and the default step to it.
-    output = copy.deepcopy(model)
-    if convert(output, "output", branch_scale="stream", example_input=example).converted:
-        to_output = copy.deepcopy(model)
-        transition.begin(to_output, "output", branch_scale="stream", example_input=example)
-        assert transition.measure_stream_scales(to_output, lambda: to_output(example)) is None
-        output_teacher = frozen_copy(to_output)
-        transition.set_blend(to_output, 0.5)
-        out.update({"output": (output, None), "output stream-scaled blend + teacher (default)": (to_output, output_teacher)})
+    # To peri and output (hooked blocks only: torch's layers have no such form): the conversion (output's with its
+    # entry scales, the step after its transition) and the default step of a transition to it.
+    for placement, end_scale in (("peri", None), ("output", "stream")):
+        converted = copy.deepcopy(model)
+        if convert(converted, placement, branch_scale=end_scale, example_input=example).converted:
+            moving = copy.deepcopy(model)
+            transition.begin(moving, placement, branch_scale="stream", example_input=example)
+            assert transition.measure_stream_scales(moving, lambda: moving(example)) is None
+            moving_teacher = frozen_copy(moving)
+            transition.set_blend(moving, 0.5)
+            out.update({placement: (converted, None),
+                        f"{placement} stream-scaled blend + teacher (default)": (moving, moving_teacher)})
     return out
 
 

@@ -791,17 +791,23 @@ def test_stream_scaled_blend_without_a_trainer_is_exact_at_both_ends(kind):
         transition.measure_stream_scales(model, lambda: model(probe))
 
 
-@pytest.mark.parametrize("kind", ["demo", "bert"])
-def test_stream_scaled_peri_blend_is_exact_at_both_ends_and_keeps_the_function_mid_way(kind):
+def _trained_looking_case(kind: str):
+    """A model with trained-looking gains (the stream's constants C_k well above 1), its unconverted copy, an input,
+    a probe batch and the model's post-norm output on the input."""
     model = make(kind)
-    with torch.no_grad():  # trained-looking gains: the stream's constants C_k well above 1
+    with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
                 m.weight.uniform_(0.2, 0.4)
-    unconverted = copy.deepcopy(model)
     x, probe = batch(3), batch(1)
     with torch.no_grad():
         post = model(x)
+    return model, copy.deepcopy(model), x, probe, post
+
+
+@pytest.mark.parametrize("kind", ["demo", "bert"])
+def test_stream_scaled_peri_blend_is_exact_at_both_ends_and_keeps_the_function_mid_way(kind):
+    model, unconverted, x, probe, post = _trained_looking_case(kind)
     transition.begin(model, "peri", branch_scale="stream")
     assert transition.measure_stream_scales(model, lambda: model(probe)) is None
     model_mid = copy.deepcopy(model)
@@ -1049,15 +1055,7 @@ def test_a_rank_that_cant_measure_sends_every_rank_to_the_plain_blend(tmp_path):
 
 @pytest.mark.parametrize("kind", ["demo", "bert"])
 def test_stream_scaled_output_blend_is_exact_at_both_ends_and_keeps_the_function_mid_way(kind):
-    model = make(kind)
-    with torch.no_grad():  # trained-looking gains: the stream's constants C_k well above 1
-        for m in model.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.uniform_(0.2, 0.4)
-    unconverted = copy.deepcopy(model)
-    x, probe = batch(3), batch(1)
-    with torch.no_grad():
-        post = model(x)
+    model, unconverted, x, probe, post = _trained_looking_case(kind)
     transition.begin(model, "output", branch_scale="stream")
     with torch.no_grad():  # pickled as ddp_spawn does, before measuring: the moved norms are reached from the transition too
         assert torch.equal(pickle.loads(pickle.dumps(model))(x), post)

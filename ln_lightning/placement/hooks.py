@@ -177,11 +177,8 @@ class DeferredNorm:
                 r = hook(self, (x,))
                 if r is not None:
                     x = r[0] if isinstance(r, tuple) else r
-        _state.normalizing = getattr(_state, "normalizing", 0) + 1
-        try:
+        with our_normalization():
             y = super().forward(x)
-        finally:
-            _state.normalizing -= 1
         for key, hook in list(d["_ln_post_hooks"].items()):
             r = hook(self, (x,), {}, y) if key in d["_ln_post_kw"] else hook(self, (x,), y)
             if r is not None:
