@@ -14,10 +14,15 @@ LightningModule / LightningDataModule works, not only the demo:
 
 Everything LightningCLI offers works as usual: `--print_config`, overrides such as `--trainer.max_steps 50`
 or `--data.text_file my.txt`, several `--config` files.
+
+A `class_path` may name a module of the current directory (`mymodels.MyLM` for `./mymodels.py`), as
+`ln-lightning inspect` and `ln-lightning export` allow: the working directory is searched first, as
+`python -m` does, without setting PYTHONPATH.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from lightning.pytorch.cli import LightningCLI
@@ -30,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     # "both args and command line arguments" warning when run as `ln-lightning fit ...`.
     saved = sys.argv
     sys.argv = [saved[0] if saved else "ln-lightning", *argv]
+    # The console script's sys.path[0] is its bin folder: put the working directory first, as `python -m`
+    # does, so the YAML's class_path can name the user's own module there (jsonargparse imports it).
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
     try:
         LightningCLI(
             model_class=None,  # any LightningModule, chosen by class_path in the YAML
@@ -38,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         sys.argv = saved
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
     return 0
 
 

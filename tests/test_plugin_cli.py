@@ -5,6 +5,9 @@ checkpoint that records the placement."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +61,61 @@ def test_demo_fit_writes_report_tensorboard_and_placement_checkpoint(tmp_path):
     assert any(k.endswith(MARKER) for k in data["state_dict"])
     # the CLI's own validate, from that checkpoint, on a fresh model built from the same YAML
     assert cli_main(["validate", *_small(tmp_path), "--ckpt_path", str(ckpt)]) == 0
+
+
+# A user's own LightningModule, in a file of the working directory (not a package, not on PYTHONPATH).
+_USER_MODULE = '''
+import lightning.pytorch as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ln_lightning.demo import PostNormTransformerLM
+
+
+class MyLM(L.LightningModule):
+    def __init__(self, d_model: int = 16):
+        super().__init__()
+        self.net = PostNormTransformerLM(vocab_size=32, d_model=d_model, n_layers=2, n_heads=2, block_size=8)
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        logits = self.net(idx[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), idx[:, 1:].reshape(-1))
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randint(0, 32, (8, 8))), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+'''
+
+_USER_CONFIG = '''
+trainer:
+  max_steps: 2
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  plugins:
+    - class_path: ln_lightning.LNPlacement
+      init_args: {placement: pre}
+model:
+  class_path: mymodels.MyLM
+  init_args: {d_model: 16}
+'''
+
+
+@pytest.mark.slow  # starts the `ln-lightning` console script
+def test_fit_imports_the_users_model_from_the_working_directory(tmp_path):
+    """`ln-lightning fit --config` finds `mymodels.MyLM` in the current directory, as `inspect` and `export` do,
+    with no PYTHONPATH (the console script's sys.path[0] is its bin folder, not the working directory)."""
+    script = Path(sys.executable).with_name("ln-lightning")
+    assert script.is_file(), f"{script}: the package's console script is not installed in this venv"
+    (tmp_path / "mymodels.py").write_text(_USER_MODULE, encoding="utf-8")
+    (tmp_path / "config.yaml").write_text(_USER_CONFIG, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([str(script), "fit", "--config", "config.yaml"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "2/2 blocks converted to pre-norm" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]  # the plugin ran on it
