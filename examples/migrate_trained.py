@@ -52,9 +52,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from ln_lightning.demo.lightning import CharLM  # noqa: E402
+from ln_lightning.demo.lightning import CharLM
 
 FLAT_TOL = 0.01  # "flattened": last 10% of pretraining within 1% of the 10% before
 GOAL_EXCESS = 0.03  # issue 20: worst held-out excess over pre-switch, both seeds

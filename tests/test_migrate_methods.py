@@ -3,19 +3,15 @@ both ends, as a default built from it must be (issue 20: exact at a = 0, exactly
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from _helpers_examples import load_example
+from ln_lightning.demo.lightning import CharLM
+from ln_lightning.placement import convert, transition
+from ln_lightning.placement.scale import BranchScale
 
-from ln_lightning.demo.lightning import CharLM  # noqa: E402
-from ln_lightning.placement import convert, transition  # noqa: E402
-from ln_lightning.placement.scale import BranchScale  # noqa: E402
-
-import migrate_trained_methods as M  # noqa: E402
+M = load_example("migrate_trained_methods")
 
 
 def _trained_like(seed=0):

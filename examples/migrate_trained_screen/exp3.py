@@ -1,6 +1,5 @@
 import sys
 import os
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import screen
 seed = int(sys.argv[1]); which = sys.argv[2]
 os.makedirs(screen.LOG_DIR, exist_ok=True)

@@ -17,16 +17,14 @@ study's 64 fixed windows every 20 steps (before that step's update). Compute uni
 import json
 import os
 import random
-import sys
 import time
 
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import flm  # noqa: E402
+import flm
 
-from ln_lightning.demo.data import CharCorpus, stdlib_corpus_text  # noqa: E402
+from ln_lightning.demo.data import CharCorpus, stdlib_corpus_text
 
 torch.set_num_threads(1)
 OUT = os.environ.get("SCREEN_PRETRAINED", "outputs/migrate_trained")
