@@ -29,7 +29,7 @@ MESSAGE = (
 ENTRY = "ln_lightning"  # the config attribute (and config.json key) holding what ln_lightning wrote
 TRANSITION = "ln_lightning_transition"
 MARKER = "ln_lightning_placement"
-SCHEDULES = ("linear", "cosine")
+SCHEDULES = ("linear", "cosine", "closed")
 
 
 # --------------------------------------------------------------------------------------------- the blend
@@ -47,11 +47,17 @@ class Transition(nn.Module):
         self.register_buffer("blend", torch.zeros((), dtype=torch.float32), persistent=True)
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.int64), persistent=True)
         self.register_buffer("schedule", torch.tensor([-1, 0], dtype=torch.int64), persistent=True)
+        self.register_buffer("drift", torch.full((), -1.0, dtype=torch.float32), persistent=True)  # the closed loop's
         if sites:
             self.register_buffer("site_before", torch.ones(sites, dtype=torch.float32), persistent=True)
             self.register_buffer("site_after", torch.ones(sites, dtype=torch.float32), persistent=True)
             self.register_buffer("final_scale", torch.ones(finals, dtype=torch.float32), persistent=True)
             self.register_buffer("scales_state", torch.zeros((), dtype=torch.int64), persistent=True)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "drift" not in state_dict and prefix + "blend" in state_dict:  # saved before the closed loop
+            state_dict[prefix + "drift"] = torch.full((), -1.0, dtype=torch.float32)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def a(self, like):
         return self.blend.to(like.dtype)

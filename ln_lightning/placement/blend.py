@@ -62,7 +62,9 @@ _PREV_CLASS = "_ln_lightning_pre_transition_class"
 SITE_ATTR = "_ln_lightning_site"  # on a scaled site's norm: its index in the transition's scales
 FINAL_ATTR = "_ln_lightning_final"  # on an added final norm of a scaled transition: its index
 OUT_ATTR = "_ln_lightning_site_out"  # on a scaled peri output norm: the index of the site its branch reads
-SCHEDULES = ("linear", "cosine")
+# "closed": the blend is not a function of the steps done; the closed loop (`Transition.gate`) advances it on the
+# device while the measured drift from the trained function stays within a tolerance.
+SCHEDULES = ("linear", "cosine", "closed")
 # The largest transition_steps the int64 step counter holds (and the schedule buffer stores).
 MAX_STEPS = 2**63 - 1
 
@@ -74,6 +76,8 @@ def schedule(t: float, kind: str = "linear") -> float:
     """
     if kind not in SCHEDULES:
         raise PlacementError(f"unknown transition_schedule {kind!r}; valid schedules are {', '.join(map(repr, SCHEDULES))}")
+    if kind == "closed":
+        raise PlacementError("a closed-loop transition has no blend schedule: its blend is measured, not computed")
     if t <= 0:
         return 0.0
     if t >= 1:
@@ -84,7 +88,7 @@ def schedule(t: float, kind: str = "linear") -> float:
 def _fraction_of(blend: float, kind: str) -> float:
     """The inverse of `schedule`: the fraction of the transition at which it reaches `blend`."""
     blend = min(1.0, max(0.0, blend))
-    return blend if kind == "linear" else math.acos(1.0 - 2.0 * blend) / math.pi
+    return blend if kind in ("linear", "closed") else math.acos(1.0 - 2.0 * blend) / math.pi
 
 
 class Transition(nn.Module):
@@ -104,7 +108,12 @@ class Transition(nn.Module):
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.int64, device=device), persistent=True)
         self.register_buffer("schedule", torch.tensor([steps or -1, SCHEDULES.index(kind)], dtype=torch.int64, device=device),
                              persistent=True)
+        # The closed loop's smoothed drift (KL to the trained function; -1 before its first measurement).
+        self.register_buffer("drift", torch.full((), -1.0, dtype=torch.float32, device=device), persistent=True)
         self._host_steps: int | None = 0
+        # On an endpoint step (LNPlacement's endpoint fraction) the training forward and backward run at blend 1 while
+        # `blend` keeps the held value, which is what callbacks, evaluation and checkpoints see (a host flag).
+        self._at_end = False
         # The stream-scaled blend (branch_scale="stream"): per site the stream scale its branch reads (C_k) and
         # the one after it (C_{k+1}), per added final norm the one it reads (C_K); measured once, at blend 0
         # (`begin_measurement` / `end_measurement`), then held in every checkpoint: a resume must not measure
@@ -138,6 +147,8 @@ class Transition(nn.Module):
                 steps, kind = (int(v) for v in sched.tolist())
                 done = round(_fraction_of(float(blend), SCHEDULES[kind]) * steps) if steps > 0 else 0
                 state_dict[prefix + "steps_done"] = torch.tensor(done, dtype=torch.int64)
+        if prefix + "drift" not in state_dict and prefix + "blend" in state_dict:  # written before the closed loop
+            state_dict[prefix + "drift"] = torch.full((), -1.0, dtype=torch.float32)
         if prefix + "scales_state" not in state_dict and prefix + "blend" in state_dict:
             # Written before the stream-scaled blend (ln_lightning 0.2): that transition ran the plain blend.
             for name in ("site_before", "site_after", "final_scale"):
@@ -154,6 +165,9 @@ class Transition(nn.Module):
         super().__setstate__(state)
         self._host_steps = None  # unpickled elsewhere (a spawned worker): read the buffer once
         self._host_scales_state = None
+        self._at_end = False
+        if "drift" not in self._buffers:  # pickled before the closed loop
+            self.register_buffer("drift", torch.full((), -1.0, dtype=torch.float32, device=self.blend.device), persistent=True)
         if "out_norms" not in self.__dict__:  # pickled before output's stream scales: peri's sites are its out norms
             self.out_norms = [m if m is not None and m.__dict__.get(OUT_ATTR) is not None else None for m in self.sites]
         if "frozen" not in self._modules:
@@ -167,24 +181,48 @@ class Transition(nn.Module):
         return self._host_steps
 
     @property
+    def closed(self) -> bool:
+        """Whether the blend is the closed loop's (measured on the device), not a schedule of the steps done."""
+        return self.kind == "closed"
+
+    @property
     def held(self) -> float:
-        """The scheduled blend after the steps done (host arithmetic): what the model holds between steps."""
-        return schedule(self.host_steps / self.steps, self.kind) if self.steps else float(self.blend)
+        """The blend the model holds between steps: the schedule's after the steps done (host arithmetic); a closed
+        loop's or an unscheduled one's is read from the device (one read: for reports, not per step)."""
+        return schedule(self.host_steps / self.steps, self.kind) if self.steps and not self.closed else float(self.blend)
 
     def hold(self) -> None:
         """Write the scheduled blend into the buffer (a device write from a host value: no synchronisation); a
-        transition without a schedule keeps the blend it was given."""
-        if self.steps:
+        closed loop, or a transition without a schedule, keeps the blend it has."""
+        if self.steps and not self.closed:
             self.blend.fill_(self.held)
 
-    def set_progress(self, steps_done: int, blend: float) -> None:
-        """Write the steps done and the blend (device writes from host values: no synchronisation)."""
+    def set_progress(self, steps_done: int, blend: float | None = None) -> None:
+        """Write the steps done and (unless None) the blend (device writes from host values: no synchronisation)."""
         self._host_steps = int(steps_done)
         self.steps_done.fill_(self._host_steps)
-        self.blend.fill_(float(blend))
+        if blend is not None:
+            self.blend.fill_(float(blend))
+
+    def train_at_end(self, on: bool) -> None:
+        """An endpoint step: while `on`, forwards with gradients enabled (the training step's) compute blend 1; the
+        buffer keeps the held blend for everything else (callbacks, evaluation, checkpoints, the teacher)."""
+        self._at_end = bool(on)
+
+    @torch.no_grad()
+    def gate(self, drift: torch.Tensor, tolerance: float, rate: float, ema: float = 0.8) -> None:
+        """One step of the closed loop, on the device (no synchronisation): smooth the measured drift (a 0-dim
+        tensor, the same on every rank), and advance the blend by `rate` only while the smoothed drift is within
+        `tolerance`. It never goes back and ends at exactly 1."""
+        d = drift.detach().to(self.drift)
+        smoothed = torch.where(self.drift < 0, d, ema * self.drift + (1.0 - ema) * d)
+        self.drift.copy_(smoothed)
+        self.blend.copy_(torch.clamp(self.blend + rate * (smoothed <= tolerance).to(self.blend), max=1.0))
 
     def a(self, like: torch.Tensor) -> torch.Tensor:
         # A 0-dim tensor: no host sync, and a bf16 stream stays bf16.
+        if self._at_end and torch.is_grad_enabled():
+            return torch.ones((), dtype=like.dtype, device=like.device)
         return self.blend.to(like.dtype)
 
     def extra_repr(self) -> str:
@@ -483,7 +521,7 @@ class BlendNormalizeBranchInput(hooks.NormalizeBranchInput):
                 return t
             with hooks.our_normalization():
                 return t / d
-        with hooks.weighted(self.norm, self.transition.blend):
+        with hooks.weighted(self.norm, self.transition.a(self.transition.blend)):
             y = self.norm.normalize(t)
         return _mix(self.transition, t if d is None else t / d, y)
 
@@ -493,7 +531,7 @@ class BlendNormalizeBranchOutput(hooks.NormalizeBranchOutput):
     norm, or output-norm's moved one)."""
 
     def normalized(self, value: torch.Tensor) -> torch.Tensor:
-        with hooks.weighted(self.norm, self.transition.blend):
+        with hooks.weighted(self.norm, self.transition.a(self.transition.blend)):
             y = super().normalized(value)
         return self.transition.branch_exit(self.norm, value, y)
 
@@ -530,10 +568,10 @@ _PLAIN_CLASS = {blend: plain for plain, blend in _BLEND_CLASS.items()}
 def _blend_sublayer(t: Transition, x, norm, branch):
     a = t.a(x)
     d = t.stream_divisor(norm, x)
-    with hooks.weighted(norm, t.blend):
+    with hooks.weighted(norm, t.a(t.blend)):
         u = (1 - a) * (x if d is None else x / d) + a * norm(x)
     h = x + branch(u)  # the branch scale (a hook on its dropout) is the blend-aware one
-    with hooks.weighted(norm, 1 - t.blend):
+    with hooks.weighted(norm, 1 - t.a(t.blend)):
         return t.call_site(h, norm(h), norm)
 
 

@@ -95,7 +95,7 @@ def normalization_weight(norm: nn.Module) -> torch.Tensor | None:
     if w is not None:
         return w
     t = norm.__dict__.get(WEIGHT_ATTR)
-    return None if t is None else t.blend
+    return None if t is None else t.a(t.blend)
 
 
 @contextlib.contextmanager
@@ -161,7 +161,7 @@ class DeferredNorm:
         # the attribute is set on the instance by transition.start and removed by transition.finish.
         t = self.__dict__.get("ln_lightning_transition")
         if t is not None:  # a real normalisation (weighted 1-a): through normalize, so hooks and monitors see it
-            with weighted(self, 1 - t.blend), substituted(self, t.call_site_params(self)):
+            with weighted(self, 1 - t.a(t.blend)), substituted(self, t.call_site_params(self)):
                 y = self.normalize(x) if not args and not kwargs else super().forward(x, *args, **kwargs)
             return t.call_site(x, y, self)
         return x
