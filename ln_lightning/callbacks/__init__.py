@@ -3,7 +3,9 @@
 - `StreamNormMonitor`: residual-stream rms and each block's relative update, per block.
 - `LayerNormInputMonitor`: each LayerNorm's input variance (mean, min) and its amplification 1/sqrt(var+eps).
 - `ClipAttributionMonitor`: the gradient norm clipping acts on, its share per parameter group, how often
-  clipping fires.
+  clipping fires, the clip coefficient and each group's gradient norm after clipping (starvation warning).
+- `SpikeMonitor`: loss and pre-clip gradient-norm spikes, judged on the device every step, each recorded (one
+  JSON line) with the groups and blocks it came from; optionally skips the step or checkpoints before it.
 
 All three log at the steps, and under the step numbers, of Lightning's own `self.log` (automatic or manual
 optimisation, gradient accumulation, resumed fits), reduce across ranks exactly (sums and counts, then
@@ -14,6 +16,7 @@ leave no hook or state behind when a fit ends or fails, and add a shared TensorB
 
 from ln_lightning.callbacks.clip import ClipAttributionMonitor
 from ln_lightning.callbacks.layernorm import LayerNormInputMonitor
+from ln_lightning.callbacks.spike import SpikeMonitor
 from ln_lightning.callbacks.stream import StreamNormMonitor
 
-__all__ = ["StreamNormMonitor", "LayerNormInputMonitor", "ClipAttributionMonitor"]
+__all__ = ["StreamNormMonitor", "LayerNormInputMonitor", "ClipAttributionMonitor", "SpikeMonitor"]

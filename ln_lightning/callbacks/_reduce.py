@@ -150,3 +150,11 @@ class PackedStats:
         HOST_COPIES += 1
         values = self._packed.tolist()  # the single host synchronisation of this logging step
         return {n: _nested(values[s.offset : s.offset + s.numel], s.shape) for n, s in self._states.items()}
+
+
+def read_to_host(tensor: torch.Tensor) -> list:
+    """One device->host copy of a small tensor, counted in `HOST_COPIES` like `reduce_to_host`'s: the per-step
+    read a monitor makes only when it must act on the host at once (`SpikeMonitor(on_spike=...)`)."""
+    global HOST_COPIES
+    HOST_COPIES += 1
+    return tensor.tolist()

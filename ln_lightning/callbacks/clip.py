@@ -3,98 +3,16 @@
 from __future__ import annotations
 
 import math
-import re
-from typing import Callable, Mapping
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from torch import nn
 
 from ln_lightning._warnings import warn
-from ln_lightning.callbacks._common import MonitorBase, discover_blocks, metric_safe, normalize_name
-from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats, distributed_world
-
-try:  # public since torch 2.5
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor, Replicate
-    from torch.distributed._tensor.placement_types import _Partial as Partial
-
-GroupSpec = Mapping[str, str] | Callable[[str], "str | None"] | None
-_OTHER = "other"
-# How a gradient's squared norm crosses ranks: summed (sharded: each rank holds a part), or taken once
-# (replicated: every rank holds the same whole gradient, so MAX of identical values).
-_SHARDED, _REPLICATED = 0, 1
-
-
-def default_group_fn(pl_module: nn.Module, block_paths: list[str]) -> Callable[[str], str]:
-    """One group per residual block; every other parameter goes to the top-level module holding it.
-
-    "Top level" is relative to the blocks' containers: with blocks `model.blocks.0 ...`, the
-    embedding `model.tok_emb.weight` is in group `model.tok_emb` and the head in `model.head`.
-    Without blocks, parameters are grouped by the shallowest module level that splits them.
-    """
-    blocks = sorted(block_paths, key=len, reverse=True)  # longest first: nested paths resolve innermost
-    ancestors = {""}
-    for b in block_paths:
-        parts = b.split(".")
-        ancestors.update(".".join(parts[:i]) for i in range(1, len(parts)))
-    depth = 1
-    if not block_paths:
-        names = [normalize_name(n, pl_module) for n, _ in pl_module.named_parameters()]
-        # Descend while a single module holds every parameter (CharLM -> model -> ...).
-        while depth < 4 and len({".".join(n.split(".")[:depth]) for n in names}) == 1 and all(n.count(".") >= depth for n in names):
-            depth += 1
-
-    def group(name: str) -> str:
-        for b in blocks:
-            if name.startswith(b + "."):
-                return b
-        if not block_paths:
-            return ".".join(name.split(".")[:depth])
-        best = max((a for a in ancestors if a == "" or name.startswith(a + ".")), key=len)
-        rest = name[len(best) + 1 :] if best else name
-        head = rest.split(".")[0]
-        return f"{best}.{head}" if best else head
-
-    return group
-
-
-class _RegexGroups:
-    """`{group: regex}` as a `param_name -> group` function (first match wins); a class, so that the monitor
-    pickles (ddp_spawn sends callbacks to the workers)."""
-
-    def __init__(self, mapping: Mapping[str, str]):
-        self._compiled = []
-        for group, pattern in mapping.items():
-            try:
-                self._compiled.append((group, re.compile(pattern)))
-            except re.error as err:
-                raise ValueError(f"ClipAttributionMonitor: group {group!r} has an invalid regex {pattern!r}: {err}") from None
-
-    def __call__(self, name: str) -> str | None:
-        return next((g for g, rx in self._compiled if rx.search(name)), None)
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on `device` without a host sync (a pageable blocking copy would wait for the stream)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-class _Plan:
-    """Per optimizer: parameter order, group of each parameter, and how its squared norm crosses ranks."""
-
-    def __init__(self, params: list[nn.Parameter], groups: list[str], group_of: list[int]):
-        self.params = params
-        self.groups = groups
-        self.group_of = group_of
-        self.meta: list[tuple[int, float] | None] = [None] * len(params)  # (_SHARDED/_REPLICATED, weight) once a grad is seen
-        self.cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.partial_warned = False
-
+from ln_lightning.callbacks._common import MonitorBase, metric_safe
+from ln_lightning.callbacks._grad_groups import REPLICATED as _REPLICATED
+from ln_lightning.callbacks._grad_groups import SHARDED as _SHARDED
+from ln_lightning.callbacks._grad_groups import GradGroups, GroupSpec, Plan, default_group_fn  # noqa: F401 (default_group_fn: re-exported)
+from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats
 
 class ClipAttributionMonitor(MonitorBase):
     r"""Attribute the gradient norm that clipping acts on to parameter groups.
@@ -163,17 +81,8 @@ class ClipAttributionMonitor(MonitorBase):
         log_depth_profile: bool = True,
     ):
         super().__init__(every_n_steps, log_depth_profile)
-        if groups is None or callable(groups):
-            self._group_fn_user = groups
-        elif isinstance(groups, Mapping):
-            if not groups:
-                raise ValueError("ClipAttributionMonitor: groups mapping is empty; pass None for the default groups")
-            self._group_fn_user = _RegexGroups(groups)
-        else:
-            raise TypeError(f"groups must be None, a mapping name->regex or a function name->group, got {type(groups).__name__}")
+        self._groups = GradGroups(groups, type(self).__name__)
         self.track_window = track_window
-        self._group_fn: Callable[[str], str | None] | None = None
-        self._plans: dict[int, _Plan] = {}
         self._optimizers: list = []  # slot k: trainer.optimizers[k] (then any other optimizer seen stepping)
         self._stats: PackedStats | None = None
         self._stats_key: tuple | None = None
@@ -182,126 +91,22 @@ class ClipAttributionMonitor(MonitorBase):
         self._rows: list[int] = []
         self._window_steps: list[int] = []
         self._stepped: list[bool] = []
-        self._plain_grads_sharded = False
-        self._plain_weight = 1.0
         self._manual_warned = False
 
     # -- lifecycle --------------------------------------------------------------------------
     def _prepare(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._group_fn_user is None:
-            blocks, _ = discover_blocks(pl_module)
-            self._group_fn = default_group_fn(pl_module, blocks)
-        else:
-            self._group_fn = self._group_fn_user
+        self._groups.prepare(pl_module)
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        strategy = type(trainer.strategy).__name__
-        if "DeepSpeed" in strategy:
-            warn(
-                "ClipAttributionMonitor does not support DeepSpeed: its gradients live in DeepSpeed's partitioned "
-                "buffers, not in param.grad. The monitor is disabled for this run."
-            )
+        if not self._groups.start(trainer, pl_module):
             self._enabled = False
-            return
-        # FSDP1 (Lightning's FSDPStrategy, use_orig_params=True): param.grad holds this rank's shard as a plain
-        # tensor, so squared norms are summed over the shard group, once per replica group.
-        self._plain_grads_sharded = strategy == "FSDPStrategy" or any(
-            type(m).__name__ == "FullyShardedDataParallel" for m in (trainer.strategy.model or pl_module).modules()
-        )
-        if self._plain_grads_sharded:
-            world = distributed_world()
-            pg = getattr(trainer.strategy.model, "process_group", None)
-            shard = torch.distributed.get_world_size(pg) if pg is not None and world > 1 else world
-            self._plain_weight = shard / world
 
     def _stop(self) -> None:
-        self._plans.clear()
+        self._groups.stop()
         self._optimizers.clear()
         self._stats = self._stats_key = None
         self._rows, self._window_steps, self._stepped = [], [], []
-        self._plain_grads_sharded, self._plain_weight = False, 1.0
         self._manual_warned = False  # said once per fit
-
-    # -- groups -----------------------------------------------------------------------------
-    def _plan_for(self, pl_module: LightningModule, optimizer) -> _Plan:
-        plan = self._plans.get(id(optimizer))
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if plan is not None and len(plan.params) == len(params) and all(a is b for a, b in zip(plan.params, params)):
-            return plan
-        names_by_id = {id(p): normalize_name(n, pl_module) for n, p in pl_module.named_parameters(remove_duplicate=False)}
-        group_names, group_of = [], []
-        index: dict[str, int] = {}
-        for i, p in enumerate(params):
-            name = names_by_id.get(id(p), f"<unnamed param {i}>")
-            g = self._group_fn(name) if id(p) in names_by_id else None
-            g = _OTHER if g is None else str(g)
-            if g not in index:
-                index[g] = len(group_names)
-                group_names.append(g)
-            group_of.append(index[g])
-        plan = _Plan(params, group_names, group_of)
-        self._plans[id(optimizer)] = plan
-        return plan
-
-    def _grad_meta(self, plan: _Plan, i: int, grad: torch.Tensor) -> tuple[int, float]:
-        """(_SHARDED or _REPLICATED, weight): how this gradient's squared norm crosses ranks, and its weight there."""
-        meta = plan.meta[i]
-        if meta is None:
-            world = distributed_world()
-            if isinstance(grad, DTensor):
-                mesh = grad.device_mesh
-                copies = world // max(1, mesh.size())  # identical copies of the mesh (replicas outside it)
-                for dim, placement in enumerate(grad.placements):
-                    if isinstance(placement, Replicate):
-                        copies *= mesh.size(dim)
-                meta = (_SHARDED, 1.0 / copies)
-            elif self._plain_grads_sharded:
-                meta = (_SHARDED, self._plain_weight)
-            else:
-                meta = (_REPLICATED, 1.0)  # DDP / single device: every rank holds the whole, identical gradient
-            plan.meta[i] = meta
-        return meta
-
-    def _local_grads(self, plan: _Plan) -> tuple[list[torch.Tensor], tuple[bool, ...], list[int]]:
-        grads, mask, present = [], [], []
-        for i, p in enumerate(plan.params):
-            g = p.grad
-            if g is None or g.is_sparse:
-                mask.append(False)
-                continue
-            if isinstance(g, DTensor):
-                if any(isinstance(pl, Partial) for pl in g.placements):
-                    # Partial sums can't be squared locally; make them whole first (rare: not FSDP2/TP's output).
-                    if not plan.partial_warned:
-                        plan.partial_warned = True
-                        warn("ClipAttributionMonitor: a gradient has Partial placement; redistributing it costs a collective.")
-                    g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
-                self._grad_meta(plan, i, g)
-                g = g.to_local()
-            else:
-                self._grad_meta(plan, i, g)
-            mask.append(True)
-            present.append(i)
-            grads.append(g)
-        return grads, tuple(mask), present
-
-    def _index_tensors(self, plan: _Plan, mask: tuple, present: list[int], device: torch.device, grads: list[torch.Tensor]):
-        key = mask
-        cached = plan.cache.get(key)
-        if cached is None:
-            n_groups = len(plan.groups)
-            slots = [plan.group_of[i] + n_groups * plan.meta[i][0] for i in present]  # into (2, n_groups) scratch rows
-            weights = [plan.meta[i][1] for i in present]
-            numels = [g.numel() * plan.meta[i][1] for g, i in zip(grads, present)]
-            groups = [plan.group_of[i] for i in present]
-            cached = (
-                _to_device(slots, torch.long, device),
-                _to_device(weights, torch.float64, device),
-                _to_device(numels, torch.float64, device),
-                _to_device(groups, torch.long, device),
-            )
-            plan.cache[key] = cached
-        return cached
 
     # -- the step ----------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
@@ -321,7 +126,7 @@ class ClipAttributionMonitor(MonitorBase):
             )
         value_mode = clipping and _value_clipping(trainer)
         slot = self._slot_of(trainer, optimizer)
-        plan = self._plan_for(pl_module, optimizer)
+        plan = self._groups.plan_for(pl_module, optimizer)
         n_groups = len(plan.groups)
         device = pl_module.device
         stats = self._ensure_stats(pl_module, device, value_mode, window)
@@ -331,10 +136,10 @@ class ClipAttributionMonitor(MonitorBase):
         if log:
             self._stepped[slot] = True
 
-        grads, mask, present = self._local_grads(plan)
+        grads, mask, present = self._groups.local_grads(plan)
         sq_sharded, sq_replicated = stats[f"sq_sharded/{slot}"][row], stats[f"sq_replicated/{slot}"][row]
         if grads:
-            slots, weights, numels, groups = self._index_tensors(plan, mask, present, device, grads)
+            slots, weights, numels, groups = self._groups.index_tensors(plan, mask, present, device, grads)
             with torch.no_grad():
                 norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
                 norms = torch.stack([n.to(device) for n in norms]).double()
@@ -374,7 +179,7 @@ class ClipAttributionMonitor(MonitorBase):
         host = self._stats.reduce_to_host(across_ranks=trainer.world_size > 1)
         for slot, optimizer in enumerate(self._optimizers):
             if self._stepped[slot]:
-                plan = self._plans[id(optimizer)]
+                plan = self._groups.plan_for(pl_module, optimizer)
                 prefix = "clip/" if len(self._optimizers) == 1 else f"clip/optimizer_{slot}/"
                 self._report(trainer, host, slot, plan, prefix, step, clip_val if clipping else None,
                              clipping and _value_clipping(trainer), self.track_window and clipping)
@@ -393,8 +198,8 @@ class ClipAttributionMonitor(MonitorBase):
     def _ensure_stats(self, pl_module: LightningModule, device: torch.device, value_mode: bool, window: bool) -> PackedStats:
         # One row per step of the logging window; per-step collectives are avoided by reducing all rows at the log.
         cap = max(1, self._every) if window else 1
-        # The stepping optimizer's plan is current (`_plan_for` just checked it); the others' as of their last step.
-        plans = [self._plans.get(id(o)) or self._plan_for(pl_module, o) for o in self._optimizers]
+        # Each optimizer's plan as its parameters are now (rebuilt only when they changed).
+        plans = [self._groups.plan_for(pl_module, o) for o in self._optimizers]
         key = (tuple(len(p.groups) for p in plans), str(device), value_mode, cap)
         if self._stats is None or self._stats_key != key:
             stats = PackedStats(device)
@@ -415,7 +220,7 @@ class ClipAttributionMonitor(MonitorBase):
             self._rows, self._window_steps, self._stepped = [0] * n, [0] * n, [False] * n
         return self._stats
 
-    def _report(self, trainer: Trainer, host: dict, slot: int, plan: _Plan, prefix: str, step: int,
+    def _report(self, trainer: Trainer, host: dict, slot: int, plan: Plan, prefix: str, step: int,
                 clip_val: float | None, value_mode: bool, window: bool) -> None:
         """Log the metrics of `slot`'s optimizer for logging step `step`, from the reduced statistics."""
         n_groups = len(plan.groups)

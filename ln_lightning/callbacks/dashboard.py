@@ -69,6 +69,13 @@ def write_layout_once(trainer: Trainer) -> None:
         _LAYOUT_WRITTEN.add(writer)
 
 
+def write_text(trainer: Trainer, tag: str, text: str, step: int) -> None:
+    """`add_text` to every logger that takes text (a TensorBoard SummaryWriter), on rank 0."""
+    if trainer.is_global_zero:
+        for writer in _experiments(trainer, "add_text"):
+            writer.add_text(tag, text, global_step=step)
+
+
 def _experiments(trainer: Trainer, method: str, others: list[str] | None = None) -> list[Any]:
     """The loggers' experiments that have `method`; the other loggers' class names go to `others`."""
     out = []
