@@ -42,6 +42,9 @@ class Distillation:
         self.off_reason: str | None = None
         self._pending: list[torch.Tensor] = []
         self._handle = None
+        self._pre_handle = None
+        self._rng: tuple | None = None  # the random state the module's forward started from (the teacher's masks)
+        self._drift: list[torch.Tensor] = []  # this optimizer step's KLs (every micro-batch), for the closed loop
         self._module: LightningModule | None = None
         self._transition = None
         self._wrapper = None
@@ -80,6 +83,7 @@ class Distillation:
             teacher.to(device)  # (kept on the CPU between fits)
         self.teacher, self.saved_state, self._module, self._transition = teacher, None, pl_module, t
         self._handle = pl_module.register_forward_hook(self._on_forward, with_kwargs=True)
+        self._pre_handle = pl_module.register_forward_pre_hook(self._before_forward)
         original = type(pl_module).training_step.__get__(pl_module) if _STEP not in pl_module.__dict__ else pl_module.__dict__[_STEP]
 
         # functools.wraps: Lightning reads training_step's signature (whether it takes batch_idx) through __wrapped__.
@@ -97,6 +101,10 @@ class Distillation:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
+        self._rng, self._drift = None, []
         if self._module is not None and self._module.__dict__.get(_STEP) is self._wrapper:
             del self._module.__dict__[_STEP]
         t = self._transition
@@ -111,7 +119,39 @@ class Distillation:
         # The teacher is frozen: its tensors as they are (torch.save copies them), no second copy on the device.
         return None if self.teacher is None else dict(self.teacher.state_dict())
 
+    def take_drift(self) -> torch.Tensor | None:
+        """The mean KL(trained || model) of this optimizer step's training forwards (a 0-dim device tensor, detached;
+        None if none ran), and start the next step's."""
+        drift, self._drift = self._drift, []
+        return torch.stack(drift).mean() if drift else None
+
     # ------------------------------------------------------------------ per step
+    def _before_forward(self, module, args):
+        # The teacher draws the same dropout masks (and any other random numbers) as this forward: it starts from
+        # the same random state. Host-side generator state: no device synchronisation.
+        if self.teacher is None or not self._in_step or not module.training:
+            return None
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        cuda = device if device.type == "cuda" else None
+        self._rng = (torch.get_rng_state(), cuda, torch.cuda.get_rng_state(cuda) if cuda is not None else None)
+        return None
+
+    def _teacher_output(self, module, args, kwargs):
+        """The trained function on this forward's inputs, in the module's mode, with this forward's random numbers
+        (so at blend 0 it is this forward, bit for bit, dropout included); the random state is left as it was."""
+        teacher = self.teacher
+        if teacher.training != module.training:
+            teacher.train(module.training)
+        rng, self._rng = self._rng, None
+        if rng is None:
+            return trained_output(teacher, *args, **kwargs)
+        cpu_state, cuda, cuda_state = rng
+        with torch.random.fork_rng(devices=[cuda] if cuda is not None else []):
+            torch.set_rng_state(cpu_state)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda_state, cuda)
+            return trained_output(teacher, *args, **kwargs)
+
     def _on_forward(self, module, args, kwargs, output):
         # Only the module's calls inside training_step: under DDP, Lightning also calls the module itself with
         # training_step's arguments (its forward redirected to training_step), whose hook fires after it returned.
@@ -119,7 +159,7 @@ class Distillation:
                 or torch._C._current_graph_task_id() != -1):
             return None
         student = logits_of(output)
-        taught = logits_of(trained_output(self.teacher, *args, **kwargs)) if student is not None else None
+        taught = logits_of(self._teacher_output(module, args, kwargs)) if student is not None else None
         if student is None or taught is None or student.shape != taught.shape:
             self.off_reason = (f"the LightningModule's output has no predictions to compare (a floating tensor of "
                                f"scores over a last dimension, `logits`, or a tuple's first element: got {type(output).__name__})")
@@ -138,7 +178,10 @@ class Distillation:
             return out
         self.distilled_once = True
         kl = torch.stack(pending).mean()
+        self._drift.append(kl.detach())
         self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)
+        if not self.weight:  # measured for the closed loop only, not trained towards
+            return out
         term = self.weight * kl
         if isinstance(out, torch.Tensor):
             return out + term

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     Strategy,
 )
+import torch
 from torch import nn
 
 from ln_lightning import _lightning_patch
@@ -39,11 +42,13 @@ from ln_lightning._distill import Distillation
 from ln_lightning._warnings import info, warn
 from ln_lightning.checkpoint import CHECKPOINT_KEY, build_model, placement_record, read_checkpoint, remap_optimizer_states
 from ln_lightning.norm import FusedLayerNorm
-from ln_lightning.placement import PlacementError, inspect_model, transition, validate_options
+from ln_lightning.placement import PlacementError, inspect_model, validate_options
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.apply import apply_config, rebuild
 from ln_lightning.placement.compare import difference
 from ln_lightning.placement.options import mix_split
+from ln_lightning.placement.spec import TransitionSpec
+from ln_lightning.placement.transition import check_schedule, check_target
 from ln_lightning.placement.state import MARKER
 from ln_lightning.placement.transition_control import endpoint_step
 
@@ -66,6 +71,36 @@ def _uses_fused(model: nn.Module) -> bool:
 
 def _fmt(config: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
+
+
+# The keywords `transition=TransitionSpec(...)` replaced (ln_lightning 0.4), kept for one release: -> its field.
+_DEPRECATED = {"transition_steps": "steps", "transition_schedule": "schedule", "transition_stream_scale": "stream_scale",
+               "transition_endpoint_fraction": "endpoint_fraction", "transition_distill": "distill"}
+
+
+def _transition_spec(transition: Any, deprecated: dict) -> TransitionSpec | None:
+    """The TransitionSpec that `transition=` or the deprecated ``transition_*`` keywords ask for."""
+    unknown = sorted(set(deprecated) - set(_DEPRECATED))
+    if unknown:
+        raise TypeError(f"LNPlacement() got an unexpected keyword argument {unknown[0]!r}")
+    if not deprecated:
+        return TransitionSpec.coerce(transition)
+    if transition is not None:
+        raise ValueError(f"LNPlacement: pass transition=TransitionSpec(...) or the deprecated {', '.join(sorted(deprecated))}, "
+                         "not both.")
+    fields = {_DEPRECATED[k]: v for k, v in deprecated.items()}
+    new = ", ".join([f"{f}={v!r}" for f, v in fields.items()] + ["tolerance=None"])
+    warnings.warn(f"LNPlacement: {', '.join(sorted(deprecated))} are deprecated and go in the next release; pass "
+                  f"transition=TransitionSpec({new}) instead (tolerance=None keeps the open-loop schedule these keywords "
+                  "had; TransitionSpec's default is the closed loop).",
+                  DeprecationWarning, stacklevel=3)
+    if fields.get("steps") is None:
+        raise ValueError(f"LNPlacement: {', '.join(sorted(deprecated))} apply only with transition_steps, which is "
+                         "missing (they were silently ignored before). Pass transition=TransitionSpec(steps=N, ...).")
+    try:
+        return TransitionSpec(tolerance=None, **fields)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"LNPlacement: {err} (from the deprecated {', '.join(sorted(deprecated))}).") from None
 
 
 @_lightning_patch.register_placement_class  # what the Trainer entry looks for (the patch imports nothing from here)
@@ -189,16 +224,14 @@ class LNPlacement(LayerSync, Callback):
         layer_sync: LayerSync | None = None,
         log_report: bool = True,
         resume_unconverted: bool = False,
-        transition_steps: int | None = None,
-        transition_schedule: str = "linear",
-        transition_stream_scale: bool = True,
-        transition_endpoint_fraction: float = 0.25,
-        transition_distill: float = 1.0,
+        transition: TransitionSpec | int | None = None,
         mix_post_blocks: int | None = None,
+        **deprecated: Any,
     ):
+        spec = _transition_spec(transition, deprecated)
         for name, value in (("final_norm", final_norm), ("fused", fused), ("strict", strict),
                             ("sync_batchnorm", sync_batchnorm), ("log_report", log_report),
-                            ("resume_unconverted", resume_unconverted), ("transition_stream_scale", transition_stream_scale)):
+                            ("resume_unconverted", resume_unconverted)):
             if not isinstance(value, bool):
                 raise TypeError(f"LNPlacement: {name} must be True or False, got {value!r}.")
         if layer_sync is not None and not isinstance(layer_sync, LayerSync):
@@ -211,35 +244,18 @@ class LNPlacement(LayerSync, Callback):
         try:  # one set of rules, the engine's, so the plugin accepts exactly what convert() does
             validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init,
                              mix_post_blocks=mix_post_blocks)
+            if spec is not None:
+                check_target(placement)
         except PlacementError as err:
             raise PlacementError(f"LNPlacement: {err}") from None
-        if transition_steps is not None:
-            if isinstance(transition_steps, bool) or not isinstance(transition_steps, int) or not 1 <= transition_steps <= transition.MAX_STEPS:
-                raise ValueError(f"LNPlacement: transition_steps must be a positive int (optimizer steps) of at most 2**63 - 1 "
-                                 f"(the step counter is int64), or None; got {transition_steps!r}.")
-            try:
-                transition.check_target(placement)
-            except PlacementError as err:
-                raise PlacementError(f"LNPlacement: {err}") from None
-            if transition_schedule not in transition.SCHEDULES:
-                raise ValueError(f"LNPlacement: unknown transition_schedule {transition_schedule!r}; valid: {', '.join(map(repr, transition.SCHEDULES))}.")
-        if (isinstance(transition_endpoint_fraction, bool) or not isinstance(transition_endpoint_fraction, (int, float))
-                or not 0.0 <= transition_endpoint_fraction < 1.0):
-            raise ValueError(f"LNPlacement: transition_endpoint_fraction must be a number in [0, 1), got {transition_endpoint_fraction!r}.")
-        # The stream-scaled blend is a branch scale the transition measures (see transition_stream_scale).
+        # The stream-scaled blend is a branch scale the transition measures (see TransitionSpec.stream_scale).
         self.stream_scaled = (branch_scale == "stream" or (
-            transition_steps is not None and transition_stream_scale and branch_scale is None
+            spec is not None and spec.stream_scale and branch_scale is None
             and placement in ("pre", "mix", "peri", "output")))
         if self.stream_scaled:
             branch_scale = "stream"
-        self.transition_endpoint_fraction = float(transition_endpoint_fraction)
-        if (isinstance(transition_distill, bool) or not isinstance(transition_distill, (int, float))
-                or not 0.0 <= transition_distill < float("inf")):
-            raise ValueError(f"LNPlacement: transition_distill must be a finite number >= 0 (0: off), got {transition_distill!r}.")
-        self.transition_distill = float(transition_distill)
+        self.transition = spec
         _lightning_patch.install()
-        self.transition_steps = transition_steps
-        self.transition_schedule = transition_schedule
         self.placement = placement
         self.mix_post_blocks = mix_post_blocks
         self.final_norm = final_norm
@@ -259,6 +275,24 @@ class LNPlacement(LayerSync, Callback):
         self._run: _Run | None = None  # what this plugin holds during one Trainer call (setup to teardown)
 
     # ------------------------------------------------------------------ configuration
+    @property
+    def transition_steps(self) -> int | None:
+        """The transition's steps (its budget, for the closed loop), or None without a transition."""
+        return None if self.transition is None else self.transition.steps
+
+    @property
+    def transition_schedule(self) -> str:
+        """The schedule kind the model's transition records: ``"closed"`` for the closed loop."""
+        return "linear" if self.transition is None else self.transition.kind
+
+    @property
+    def transition_distill(self) -> float:
+        return 0.0 if self.transition is None else self.transition.distill
+
+    @property
+    def transition_endpoint_fraction(self) -> float:
+        return 0.25 if self.transition is None else self.transition.endpoint_fraction
+
     @property
     def config(self) -> dict:
         """What the rewrite computes (stored in checkpoints and in the state_dict marker)."""
@@ -476,10 +510,10 @@ class LNPlacement(LayerSync, Callback):
                 raise PlacementError(
                     f"LNPlacement: the model is in a placement transition (at {t.host_steps} of {t.steps} steps, schedule "
                     f"{t.kind!r}: written so in the checkpoint or left by an earlier fit), but this LNPlacement has no "
-                    f"transition_steps, so fitting would train a blend that never moves. Pass "
-                    f"LNPlacement(..., transition_steps={t.steps}, transition_schedule={t.kind!r}) (the values it records)."
+                    f"transition, so fitting would train a blend that never moves. Pass "
+                    f"LNPlacement(..., transition={_spec_for(t)}) (the values it records)."
                 )
-            transition.check_schedule(t, self.transition_steps, self.transition_schedule)
+            check_schedule(t, self.transition_steps, self.transition_schedule)
             t.scaled  # noqa: B018 - the host copies are read here, once, not during the steps
             if t.host_steps:  # a second fit or a resume: where it stands (the first fit starts at 0)
                 info(log, f"LNPlacement: the transition to {self.placement}-norm continues at step {t.host_steps} of {t.steps}.")
@@ -499,31 +533,45 @@ class LNPlacement(LayerSync, Callback):
         # The trained weights (and a resumed checkpoint's teacher) are in; the first step has not run.
         state = rewrite_state.of(pl_module)
         t = None if state is None else state.transition
-        if t is None or self.transition_steps is None or self._run is None or self.transition_distill <= 0:
+        spec = self.transition
+        if t is None or spec is None or self._run is None:
             return
         run = self._run
-        run.distill = Distillation(self.transition_distill)
+        if t.closed and t.host_steps >= t.steps:  # a second fit of a transition that spent its budget
+            self._warn_over_budget(trainer, t, float(t.blend))
+        if spec.distill <= 0 and not t.closed:
+            return
+        run.distill = Distillation(spec.distill)
         run.distill.saved_state = run.teacher_state
         reason = run.distill.start(trainer, pl_module, t.host_steps)
         if reason is not None:
             run.distill.off_reason = reason
-            self._warn_no_distillation(trainer, reason)
+            self._warn_no_distillation(trainer, reason, t)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        run = self._run
+        if run is None or self.transition is None:
+            return
         state = rewrite_state.of(pl_module)
-        if state is None or state.transition is None or self.transition_steps is None or self._run is None:
+        if state is None or state.transition is None:
+            if run.finished is not None:  # the dashboard shows the transition ended, not its last blend
+                pl_module.log("ln_placement/transition", run.finished, on_step=True, on_epoch=False)
             return
         t = state.transition
         done = t.host_steps
-        # The blend the model holds, written from host arithmetic and logged as the device tensor it is: no
-        # synchronisation per step (a Python float would be copied to the device, blocking, every step).
+        # The blend the model holds, written from host arithmetic (a closed loop's is on the device already) and
+        # logged as the device tensor it is: no synchronisation per step.
         t.hold()
         pl_module.log("ln_placement/transition", t.blend.clone(), on_step=True, on_epoch=False)
-        if done == 0 and t.needs_measurement and not self._run.measured:
+        if t.closed:  # the smoothed drift the closed loop gates on (-1 before its first measurement)
+            pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
+        if done == 0 and t.needs_measurement and not run.measured:
             t.begin_measurement()  # this forward runs at blend 0: the trained function's own statistics
-            self._run.measuring = True
-        if endpoint_step(done, t.steps, self.transition_endpoint_fraction):
-            t.blend.fill_(1.0)  # this step trains the function the transition ends at (every micro-batch of it)
+            run.measuring = True
+        # An endpoint step trains the function the transition ends at (every micro-batch of it), while the model
+        # holds its blend for everything else: callbacks, evaluation and checkpoints see the held blend.
+        run.endpoint = not run.over_budget and endpoint_step(done, t.steps, self.transition.endpoint_fraction)
+        t.train_at_end(run.endpoint)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
         if self._run is not None:
@@ -535,6 +583,8 @@ class LNPlacement(LayerSync, Callback):
             return
         state = rewrite_state.of(pl_module)
         t = None if state is None else state.transition
+        if t is not None:
+            t.train_at_end(False)
         if t is not None and run.measuring:
             self._end_measurement(trainer, t)
         distill = run.distill
@@ -544,25 +594,86 @@ class LNPlacement(LayerSync, Callback):
                                   "so there was nothing to compare with the trained function")
         if distill is not None and distill.active and distill.off_reason is not None:
             distill.stop(keep=False)
-            self._warn_no_distillation(trainer, distill.off_reason)
+            self._warn_no_distillation(trainer, distill.off_reason, t)
         if not run.stepped:
-            if t is not None and self.transition_steps is not None:
+            if t is not None and self.transition is not None:
                 t.hold()  # held between micro-batches
             return
         run.stepped = False
-        if t is None or self.transition_steps is None:
+        if t is None or self.transition is None:
             return
-        if state.advance(pl_module) >= 1.0:
+        if t.closed:
+            a = self._closed_loop_step(trainer, state, t, pl_module)
+        else:
+            a = state.advance(pl_module)
+        if a is not None and a >= 1.0:
             if run.distill is not None:
                 run.distill.stop(keep=False)  # the teacher's memory goes back
-            info(log, f"LNPlacement: transition to {self.placement}-norm finished after {self.transition_steps} steps; the "
-                 f"model is now exactly its {self.placement}-norm rewrite.")
+            run.finished = torch.ones((), device=t.blend.device)
+            info(log, f"LNPlacement: transition to {self.placement}-norm finished after {t.host_steps} steps; the model is "
+                 f"now exactly its {self.placement}-norm rewrite.")
+
+    def _closed_loop_step(self, trainer: Trainer, state, t, pl_module: LightningModule) -> float | None:
+        """One optimizer step of the closed loop: gate the blend on this step's measured drift (on the device, the
+        same on every rank), count the step against the budget, and read the blend on logging steps and at the
+        budget's end only. Returns the blend where it was read, else None."""
+        run, spec = self._run, self.transition
+        distill = run.distill
+        drift = distill.take_drift() if distill is not None and distill.active else None
+        if run.over_budget:
+            return None
+        if not run.endpoint:  # an endpoint step's drift is the end point's, not the held blend's
+            if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
+                drift = torch.zeros((), device=t.blend.device)
+            drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
+            t.gate(drift, spec.tolerance, spec.rate())
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
+        done = t.host_steps + 1
+        a = state.advance(pl_module, check=done % every == 0)
+        if a is None or a >= 1.0:
+            return a
+        steps = state.transition.steps
+        if done >= steps:
+            run.over_budget = True
+            self._warn_over_budget(trainer, t, a)
+        elif not run.warned_pace and done >= steps // 2:
+            need = _budget_needed(done, a)
+            if need > steps:
+                run.warned_pace = True
+                if trainer.is_global_zero:
+                    warn(f"LNPlacement: at step {done} of its {steps}-step budget the closed-loop transition to "
+                         f"{self.placement}-norm has reached blend {a:.3g} (the drift from the trained function held it at "
+                         f"tolerance {spec.tolerance:g}); at this pace it needs about {need} steps. It will stop where it "
+                         f"stands at the budget's end, not finish. Give it TransitionSpec(steps={need}), or a larger "
+                         "tolerance if that drift is acceptable.")
+        return a
+
+    def _warn_over_budget(self, trainer: Trainer, t, a: float) -> None:
+        run, spec = self._run, self.transition
+        if run is not None:
+            run.over_budget = True
+            run.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
+                              "tolerance": spec.tolerance, "budget_needed": _budget_needed(t.host_steps, a)}
+        if trainer.is_global_zero:
+            warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
+                 f"blend {a:.4g}: the drift from the trained function stayed above tolerance {spec.tolerance:g} too often "
+                 f"to go further. The model stays at that blend (it computes it, not yet the {self.placement}-norm "
+                 f"rewrite; its checkpoints load back into it). At this pace it needs about "
+                 f"{_budget_needed(t.host_steps, a)} steps: continue with LNPlacement(..., "
+                 f"transition=TransitionSpec(steps={_budget_needed(t.host_steps, a)}, tolerance={spec.tolerance:g})), or "
+                 "accept more drift with a larger tolerance.")
 
     @staticmethod
-    def _warn_no_distillation(trainer: Trainer, reason: str) -> None:
-        if trainer.is_global_zero:
+    def _warn_no_distillation(trainer: Trainer, reason: str, t=None) -> None:
+        if not trainer.is_global_zero:
+            return
+        if t is not None and t.closed:
+            warn(f"LNPlacement: the closed-loop transition can't measure its drift from the trained function: {reason}. "
+                 "Its blend ramps at the budget's pace instead, without a tolerance (as TransitionSpec(..., "
+                 "tolerance=None, distill=0) would; pass that to ask for it and silence this).")
+        else:
             warn(f"LNPlacement: the transition runs without distillation towards the trained function: {reason}. "
-                 "Pass transition_distill=0 to ask for that and silence this.")
+                 "Pass TransitionSpec(..., distill=0) to ask for that and silence this.")
 
     def _end_measurement(self, trainer: Trainer, t) -> None:
         self._run.measuring, self._run.measured = False, True
@@ -582,21 +693,30 @@ class LNPlacement(LayerSync, Callback):
                     }.get(self.placement, "."))
         elif trainer.is_global_zero:
             warn(f"LNPlacement: the stream scales could not be measured ({reason}); the transition runs the plain blend "
-                 "(every branch scale 1), whose function moves more near its end. Pass transition_stream_scale=False to "
-                 "ask for the plain blend and silence this.")
+                 "(every branch scale 1), whose function moves more near its end. Pass TransitionSpec(..., "
+                 "stream_scale=False) to ask for the plain blend and silence this.")
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         state = rewrite_state.of(pl_module)
         progress = None if state is None else state.progress()
+        run = self._run
         if progress is None:
+            if run is not None and run.finished is not None:
+                self._log_report(trainer, final={"transition": {"finished": True, "blend": 1.0}})
             return
         done, steps, a = progress
+        if run is not None and run.unfinished is not None:  # a closed loop stopped by its budget (said when it did)
+            self._log_report(trainer, final={"transition": {**run.unfinished, "blend": a}})
+            return
         msg = (f"LNPlacement: the fit ended during the transition to {self.placement}-norm, at step {done} of {steps} (blend "
                f"{a:.4g}): the model computes that blend, not yet its {self.placement}-norm rewrite. Its checkpoints load back "
                "into that blend; a further fit of this model (or from its checkpoint with the same LNPlacement) continues it.")
         if trainer.is_global_zero:
             warn(msg)
-        self._log_report(trainer, final={"transition": {"steps": steps, "steps_done": done, "blend": a, "finished": False}})
+        final = {"steps": steps, "steps_done": done, "blend": a, "finished": False}
+        if self.transition is not None and self.transition.closed:
+            final["tolerance"] = self.transition.tolerance
+        self._log_report(trainer, final={"transition": final})
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._end_run(pl_module)
@@ -683,6 +803,18 @@ class LNPlacement(LayerSync, Callback):
         return model
 
 
+def _spec_for(t) -> str:
+    """How to ask for the transition `t` records, as a TransitionSpec."""
+    if t.closed:
+        return f"TransitionSpec(steps={t.steps})"
+    return f"TransitionSpec(steps={t.steps}, tolerance=None" + (f", schedule={t.kind!r})" if t.kind != "linear" else ")")
+
+
+def _budget_needed(done: int, blend: float) -> int:
+    """The steps a closed loop that reached `blend` in `done` steps needs to reach 1 at the same pace."""
+    return int(math.ceil(done / blend)) if blend > 0 else 2 * max(1, done)
+
+
 class _Run:
     """What an LNPlacement holds during one Trainer call: from `setup` to `teardown` or `on_exception`."""
 
@@ -694,7 +826,12 @@ class _Run:
         self.stepped = False  # an optimizer stepped in the current training batch
         self.measuring = False  # the stream scales are being recorded in this batch's forward
         self.measured = False  # ... and were, in this run
-        self.distill: Distillation | None = None  # the transition's distillation (transition_distill)
+        self.distill: Distillation | None = None  # the transition's distillation (TransitionSpec.distill)
+        self.endpoint = False  # the current optimizer step trains at blend 1
+        self.over_budget = False  # a closed loop spent its budget short of blend 1 (it holds the blend it reached)
+        self.warned_pace = False  # ... and said, past half its budget, that it would
+        self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
+        self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
         self.teacher_state: dict | None = None  # the teacher the ckpt_path checkpoint holds
 
 

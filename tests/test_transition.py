@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from ln_lightning import LNLightningWarning
+from ln_lightning import LNLightningWarning, TransitionSpec
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import PlacementError, convert, transition
 from ln_lightning.placement import blend as placement_blend
@@ -140,12 +140,20 @@ def test_errors_name_the_problem():
         convert(model, "post")
     with pytest.raises(PlacementError, match="already in a transition"):
         transition.start(model, None)
-    with pytest.raises(ValueError, match="transition_steps must be a positive int"):
-        LNPlacement("pre", transition_steps=0)
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        LNPlacement("pre", transition=0)
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        LNPlacement("pre", transition=TransitionSpec(steps=0))
     with pytest.raises(ValueError, match="placement=.post. can.t preserve the function"):
-        LNPlacement("post", transition_steps=3)
-    with pytest.raises(ValueError, match="unknown transition_schedule"):
-        LNPlacement("pre", transition_steps=3, transition_schedule="step")
+        LNPlacement("post", transition=3)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        LNPlacement("pre", transition=TransitionSpec(steps=3, tolerance=None, schedule="step"))
+    with pytest.raises(ValueError, match="schedule applies to the open loop"):
+        TransitionSpec(steps=3, schedule="cosine")  # the closed loop's blend follows the drift, not a schedule
+    with pytest.raises(ValueError, match="tolerance must be a positive number"):
+        TransitionSpec(steps=3, tolerance=0)
+    with pytest.raises(TypeError, match="transition must be a TransitionSpec"):
+        LNPlacement("pre", transition=3.0)
 
 
 def test_torch_layer_subclass_is_refused():
@@ -240,14 +248,14 @@ def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
                 plugins=[p]).validate(evaluated, dataloaders=loader(), ckpt_path=path)
         assert transition.get_blend(evaluated) == 0.5
     # Fitting from it without transition_steps would train a blend that never moves: refused, naming the values.
-    with pytest.raises(PlacementError, match="in a placement transition.*transition_steps=4, transition_schedule='linear'"):
+    with pytest.raises(PlacementError, match=r"in a placement transition.*transition=TransitionSpec\(steps=4, tolerance=None\)"):
         trainer(tmp_path / "e", LNPlacement("pre", branch_scale="stream", fused=False, log_report=False), max_steps=total).fit(
             LM("demo"), train_dataloaders=loader(), ckpt_path=path)
     resumed = LM("demo")
     rec = BlendRecorder()
     trainer(tmp_path / "c", plugin(), max_steps=total, callbacks=[rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
     assert rec.blends == [0.5, 0.75, None, None]
-    with pytest.raises(PlacementError, match="transition_steps=4.*not transition_steps=5"):
+    with pytest.raises(PlacementError, match="ran with 4 steps, schedule 'linear'.*not 5 steps"):
         trainer(tmp_path / "d", LNPlacement("pre", transition_steps=5, fused=False, log_report=False), max_steps=total).fit(
             LM("demo"), train_dataloaders=loader(), ckpt_path=path)
     a, b = straight.state_dict(), resumed.state_dict()
@@ -558,12 +566,22 @@ def test_endpoint_steps_train_at_blend_1_and_the_model_holds_the_schedule(tmp_pa
         def on_train_batch_end(self, trainer, pl_module, outputs, b, batch_idx):
             held.append(transition.get_blend(pl_module))
 
-    trainer(tmp_path, LNPlacement("pre", transition_steps=n, transition_endpoint_fraction=fraction, fused=False,
-                                  log_report=False), max_steps=n - 1, callbacks=[rec, Held()]).fit(LM("demo"), train_dataloaders=loader())
+    trained_at = []
+
+    class TrainedAt(Callback):  # the blend the training forward computes with (read inside it)
+        def on_train_start(self, trainer, pl_module):
+            pl_module.model.register_forward_pre_hook(
+                lambda m, args: trained_at.append(transition.active(pl_module).a(torch.zeros(())).item()))
+
+    spec = TransitionSpec(steps=n, tolerance=None, endpoint_fraction=fraction)
+    trainer(tmp_path, LNPlacement("pre", transition=spec, fused=False, log_report=False), max_steps=n - 1,
+            callbacks=[rec, Held(), TrainedAt()]).fit(LM("demo"), train_dataloaders=loader())
     f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()
     endpoint = [endpoint_step(i, n, fraction) for i in range(n - 1)]
     assert 2 <= sum(endpoint) <= n - 3 and not endpoint[0]  # some, never the first
-    assert rec.blends == [1.0 if e else f32(i / n) for i, e in enumerate(endpoint)]
+    assert trained_at == [1.0 if e else f32(i / n) for i, e in enumerate(endpoint)]
+    # What a callback sees, in every hook around the step, is the blend the model holds (issue 31, point 5).
+    assert rec.blends == [f32(i / n) for i in range(n - 1)]
     assert held == [f32((i + 1) / n) for i in range(n - 1)]
 
 

@@ -178,13 +178,26 @@ class RewriteState:
             return None
         return t.host_steps, t.steps, t.held
 
-    def advance(self, root: nn.Module) -> float:
+    def advance(self, root: nn.Module, *, check: bool = False) -> float | None:
         """One optimizer step of the transition: the blend for the next one, ending the transition at its last
-        step. Host arithmetic and device writes only (no synchronisation)."""
+        step. Host arithmetic and device writes only (no synchronisation).
+
+        A closed loop's blend is the device's (`Transition.gate` moved it): it is read only when `check` is asked
+        for (the caller's logging steps) and at the end of the budget, and the transition ends when that read finds
+        it at 1. Returns the blend when known on the host, else None."""
         t = self.transition
         if t is None or not t.steps:
             raise PlacementError("advance: no scheduled transition is under way")
         done = t.host_steps + 1
+        if t.closed:
+            t.set_progress(done)
+            if not (check or done >= t.steps):
+                return None
+            a = float(t.blend)  # the one read, on a logging step or at the budget's end
+            if a >= 1.0:
+                self.end_transition(root)
+                return 1.0
+            return a
         if done >= t.steps:
             self.end_transition(root)
             return 1.0

@@ -7,7 +7,8 @@ function: a frozen copy of the model taken when the transition starts, at blend 
 was trained with).
 
 Cost: one copy of the weights (no gradients, no optimizer state), and one forward of it per training forward
-while the transition runs (eval mode: no dropout, no random numbers drawn; the rewrite's hooks bypassed, so a
+while the transition runs (in the model's mode, drawing the same random numbers as the model's forward, so the
+same dropout masks: LNPlacement's distillation forks the random state; the rewrite's hooks bypassed, so a
 plain forward of the model as written); dropped when the transition ends.
 
 The copy keeps the rewrite's own hooks (the blend at 0 needs them) and drops every other hook (a monitor on a

@@ -196,11 +196,17 @@ def finish(model: nn.Module) -> None:
 def check_schedule(t: Transition, steps: int, kind: str) -> None:
     """Refuse to go on with another schedule than the one the transition (perhaps from a checkpoint) ran with:
     the blend would jump, changing the function between two steps."""
+    if t.closed and kind == "closed":
+        if t.steps != steps:  # a closed loop's blend does not depend on its budget: a new one applies from here
+            t.steps = steps
+            t.schedule[0] = steps
+        return
     if t.steps is not None and (t.steps, t.kind) != (steps, kind):
         raise PlacementError(
-            f"this transition ran with transition_steps={t.steps}, transition_schedule={t.kind!r} (recorded "
-            f"in the model and its checkpoints), not transition_steps={steps}, transition_schedule={kind!r}: continuing with "
-            "another schedule would make the blend jump. Resume with the recorded values."
+            f"this transition ran with {t.steps} steps, schedule {t.kind!r} (recorded in the model and its checkpoints), "
+            f"not {steps} steps, schedule {kind!r}: continuing with another schedule would make the blend jump. Resume with "
+            "the recorded values (LNPlacement(..., transition=TransitionSpec(steps=..., tolerance=None, schedule=...)); "
+            "a closed loop, schedule 'closed', is TransitionSpec(steps=...), whose budget may change)."
         )
 
 
