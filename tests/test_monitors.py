@@ -59,7 +59,7 @@ def test_every_logged_metric_matches_independent_reference(tmp_path):
     model = make_model()
     expected = reference_forward_stats(model, concat_batches(x))
     expected.update(reference_grad_stats(model, concat_batches(x), concat_batches(y), clip_val=clip_val))
-    assert set(f"stream/rms/{b}" for b in BLOCKS) <= set(expected) and len(expected) == (3 * 2 + 1) + (6 * 3 + 1) + (1 + 6 + 4 + 6)
+    assert set(f"stream/rms/{b}" for b in BLOCKS) <= set(expected) and len(expected) == (3 * 2 + 1) + (6 * 3 + 1) + (1 + 6 + 4 + 6 + 2 + 6)
     assert compare(logged, expected, rtol=1e-4, steps=[1, 3]) == []
     # clip/total_norm is also exactly what clip_grad_norm_ returned inside the same run
     ref_in_run = dict(logged["ref/clip_grad_norm"])

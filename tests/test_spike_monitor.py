@@ -71,7 +71,8 @@ class SpikeLM(L.LightningModule):
         losses = []
         for h in halves:
             x, y = self.x[step, h], self.y[step, h]
-            spiky = step == self.spike_step and h == self.spike_half
+            at = self.spike_step if isinstance(self.spike_step, (set, frozenset, range)) else {self.spike_step}
+            spiky = step in at and h == self.spike_half
             if spiky and self.grad_factor != 1.0:
                 block = f"blocks.{self.spike_block}."
                 params = {n: _GradScale.apply(p, self.grad_factor) for n, p in self.model.named_parameters() if n.startswith(block)}

@@ -13,6 +13,7 @@ from ln_lightning.callbacks._grad_groups import REPLICATED as _REPLICATED
 from ln_lightning.callbacks._grad_groups import SHARDED as _SHARDED
 from ln_lightning.callbacks._grad_groups import GradGroups, GroupSpec, Plan, default_group_fn  # noqa: F401 (default_group_fn: re-exported)
 from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats
+from ln_lightning.callbacks.dashboard import STABILITY
 
 class ClipAttributionMonitor(MonitorBase):
     r"""Attribute the gradient norm that clipping acts on to parameter groups.
@@ -32,7 +33,13 @@ class ClipAttributionMonitor(MonitorBase):
       ``clip/fired_fraction`` (steps on which clipping changed the gradient) and
       ``clip/dominant/GROUP`` (share of those steps on which GROUP had the largest norm, or for
       value clipping the largest ``|g|``); ``clip/nonfinite_steps`` counts steps whose norm was not
-      finite (the step AMP would skip); they are not counted as fired.
+      finite (the step AMP would skip); they are not counted as fired. ``clip/fired_fraction`` is the clip rate.
+    - over the logging window, with norm clipping: ``clip/coef_min`` and ``clip/coef_mean``, the clip coefficient
+      ``min(1, c / total_norm)`` of the window's steps (finite ones), and ``clip/update_scale/GROUP``, the mean over
+      those steps of ``coef * |g_GROUP|``: the norm of the group's gradient as the optimizer receives it;
+    - a warning (once per group and fit) when one group starves the others: on at least half the window's steps
+      the coefficient is below ``starvation_coef`` and that group holds at least ``starvation_share`` of the squared
+      norm (a huge gradient in one group driving the global coefficient to ~0, Megatron-LM#5431).
 
     Groups default to one per residual block (``inspect_model``) plus the other top-level modules
     (embeddings, head, final norm...). Pass ``groups`` as a mapping ``{name: regex}`` (first match on
@@ -58,6 +65,8 @@ class ClipAttributionMonitor(MonitorBase):
             manual optimisation); ``None`` uses ``trainer.log_every_n_steps``.
         track_window: compute the per-window statistics (the only per-step work); needs clipping configured.
         log_depth_profile: also log a bar chart image of the shares by group.
+        starvation_coef: the starvation warning's coefficient threshold (``None``: no warning).
+        starvation_share: the share of the squared norm the starving group holds on those steps.
 
     Example::
 
@@ -79,8 +88,16 @@ class ClipAttributionMonitor(MonitorBase):
         every_n_steps: int | None = None,
         track_window: bool = True,
         log_depth_profile: bool = True,
+        starvation_coef: float | None = 0.1,
+        starvation_share: float = 0.9,
     ):
         super().__init__(every_n_steps, log_depth_profile)
+        if starvation_coef is not None and not 0 < starvation_coef < 1:
+            raise ValueError(f"ClipAttributionMonitor: starvation_coef must be in (0, 1) or None, got {starvation_coef!r}")
+        if not 0 < starvation_share <= 1:
+            raise ValueError(f"ClipAttributionMonitor: starvation_share must be in (0, 1], got {starvation_share!r}")
+        self.starvation_coef, self.starvation_share = starvation_coef, starvation_share
+        self._starved_warned: set[str] = set()
         self._groups = GradGroups(groups, type(self).__name__)
         self.track_window = track_window
         self._optimizers: list = []  # slot k: trainer.optimizers[k] (then any other optimizer seen stepping)
@@ -107,6 +124,7 @@ class ClipAttributionMonitor(MonitorBase):
         self._stats = self._stats_key = None
         self._rows, self._window_steps, self._stepped = [], [], []
         self._manual_warned = False  # said once per fit
+        self._starved_warned.clear()
 
     # -- the step ----------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
@@ -258,6 +276,8 @@ class ClipAttributionMonitor(MonitorBase):
             fired = 0
             nonfinite = 0
             dominant = [0] * n_groups
+            if not value_mode:
+                self._coef_statistics(metrics, prefix, plan, [group_sq(r) for r in rows], clip_val, step)
             for r in rows:
                 if value_mode:
                     amax = host[f"amax/{slot}"][r]
@@ -296,9 +316,57 @@ class ClipAttributionMonitor(MonitorBase):
                 bars=True,
             )
 
+    def dashboard_charts(self, trainer: Trainer) -> dict[str, dict[str, list]]:
+        charts = super().dashboard_charts(trainer)
+        clip_val = trainer.gradient_clip_val
+        if clip_val is not None and float(clip_val) > 0 and not _value_clipping(trainer):
+            charts[STABILITY] = {
+                "clip rate (fired fraction of the window's steps)": ["Multiline", [r"^clip/(optimizer_\d+/)?fired_fraction$"]],
+                "clip coefficient (window min, mean)": ["Multiline", [r"^clip/(optimizer_\d+/)?coef_(min|mean)$"]],
+            }
+        return charts
+
+    def _coef_statistics(self, metrics: dict[str, float], prefix: str, plan: Plan, window: list[list[float]],
+                         clip_val: float, step: int) -> None:
+        """The window's clip coefficients (min, mean), each group's gradient norm after clipping (mean), and the
+        starvation warning. `window`: the squared norms by group of the window's steps, newest first."""
+        steps = [(sq, math.sqrt(sum(sq))) for sq in window if math.isfinite(sum(sq))]
+        if not steps:
+            return
+        coefs = [min(1.0, clip_val / total) if total > 0 else 1.0 for _, total in steps]
+        metrics[f"{prefix}coef_min"] = min(coefs)
+        metrics[f"{prefix}coef_mean"] = sum(coefs) / len(coefs)
+        for g, name in enumerate(plan.groups):
+            after = [c * math.sqrt(sq[g]) for c, (sq, _) in zip(coefs, steps)]
+            metrics[f"{prefix}update_scale/{metric_safe(name)}"] = sum(after) / len(after)
+        if self.starvation_coef is None:
+            return
+        # Starvation (Megatron-LM#5431): on most of the window's steps one group holds nearly all of the squared norm
+        # and drives the global coefficient so low that every other group's update all but vanishes.
+        low = [(sq, c) for c, (sq, _) in zip(coefs, steps) if c < self.starvation_coef]
+        if 2 * len(low) < len(steps):
+            return
+        tops = [max(range(len(plan.groups)), key=sq.__getitem__) for sq, _ in low]
+        top = max(set(tops), key=tops.count)
+        shares = [sq[top] / sum(sq) for (sq, _), t in zip(low, tops) if t == top]
+        if 2 * len(shares) < len(steps) or min(shares) < self.starvation_share:
+            return
+        name = plan.groups[top]
+        if name in self._starved_warned:
+            return
+        self._starved_warned.add(name)
+        warn(
+            f"ClipAttributionMonitor at step {step}: group {name!r} holds {min(shares):.1%} or more of the squared "
+            f"gradient norm on {len(shares)} of the last {len(steps)} steps and keeps the clip coefficient below "
+            f"{self.starvation_coef:g} (mean {sum(c for _, c in low) / len(low):.3g}): every other group's update is "
+            f"scaled down with it (starved). Look at what feeds {name!r} (clip/share, clip/update_scale), clip it "
+            "separately, or lower its learning rate. Said once per group and fit."
+        )
+
     def _charts(self, trainer: Trainer) -> dict[str, str]:
         # `(optimizer_K/)?`: with several optimizers each has its own lines in the same charts.
-        charts = {"clip total norm": r"^clip/(optimizer_\d+/)?total_norm$", "clip share by group": r"^clip/(optimizer_\d+/)?share/"}
+        charts = {"clip total norm": r"^clip/(optimizer_\d+/)?total_norm$", "clip share by group": r"^clip/(optimizer_\d+/)?share/",
+                  "gradient norm after clipping by group (window mean)": r"^clip/(optimizer_\d+/)?update_scale/"}
         clip_val = trainer.gradient_clip_val
         if clip_val is not None and float(clip_val) > 0:  # automatic optimisation only: one optimizer
             charts["clip coef, clipped, fired fraction"] = r"^clip/(coef|clipped|fired_fraction)$"

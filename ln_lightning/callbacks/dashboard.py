@@ -24,6 +24,7 @@ from ln_lightning._warnings import info, warn
 from ln_lightning.callbacks._placement_lookup import placement_transition_configured
 
 _log = logging.getLogger(__name__)
+STABILITY = "ln-lightning: stability"  # the layout's section for spikes, clip rate and coefficient (several monitors add to it)
 # Kept here, not as attributes on the user's writers and Trainers; weak, so they go with them.
 _LAYOUT_WRITTEN: weakref.WeakSet = weakref.WeakSet()  # writers that have our custom-scalars layout
 _SAID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Trainer -> topics already said to it

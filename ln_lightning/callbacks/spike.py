@@ -18,7 +18,7 @@ from ln_lightning.callbacks._common import MonitorBase, discover_blocks, first_t
 from ln_lightning.callbacks._grad_groups import SHARDED, GradGroups, GroupSpec
 from ln_lightning.callbacks._lightning_internals import batch_ends_optimizer_step, logging_step
 from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats, distributed_world, read_to_host
-from ln_lightning.callbacks.dashboard import write_text
+from ln_lightning.callbacks.dashboard import STABILITY, write_text
 from ln_lightning.norm import recognize_norm
 
 _log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class SpikeMonitor(MonitorBase):
         >>> trainer = Trainer(callbacks=[SpikeMonitor(), ClipAttributionMonitor()], gradient_clip_val=1.0)
     """
 
-    _CATEGORY = "ln-lightning: stability"
+    _CATEGORY = STABILITY
 
     def __init__(
         self,

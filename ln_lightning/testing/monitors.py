@@ -291,6 +291,10 @@ def reference_grad_stats(model: PostNormTransformerLM, x: torch.Tensor, y: torch
         total = math.sqrt(total_sq)
         if algorithm == "norm":
             out["clip/coef"] = min(1.0, clip_val / total)
+            # Window statistics: every step of these fixed-batch runs has the same gradients.
+            out["clip/coef_min"] = out["clip/coef_mean"] = out["clip/coef"]
+            for g in GROUPS:
+                out[f"clip/update_scale/{g}"] = out["clip/coef"] * math.sqrt(sq[g])
             out["clip/clipped"] = float(total > clip_val)
             out["clip/fired_fraction"] = float(total > clip_val)
             if total > clip_val:
