@@ -554,8 +554,10 @@ class LNPlacement(LayerSync, Callback):
             return
         state = rewrite_state.of(pl_module)
         if state is None or state.transition is None:
-            if run.finished is not None:  # the dashboard shows the transition ended, not its last blend
+            if run.finished is not None:  # the dashboard shows the transition ended, not its last values
                 pl_module.log("ln_placement/transition", run.finished, on_step=True, on_epoch=False)
+                if run.distilled:  # no term is added to the loss any more
+                    pl_module.log("ln_placement/distill_kl", run.finished * 0, on_step=True, on_epoch=False)
             return
         t = state.transition
         done = t.host_steps
@@ -608,6 +610,7 @@ class LNPlacement(LayerSync, Callback):
             a = state.advance(pl_module)
         if a is not None and a >= 1.0:
             if run.distill is not None:
+                run.distilled = run.distill.distilled_once
                 run.distill.stop(keep=False)  # the teacher's memory goes back
             run.finished = torch.ones((), device=t.blend.device)
             info(log, f"LNPlacement: transition to {self.placement}-norm finished after {t.host_steps} steps; the model is "
@@ -832,6 +835,7 @@ class _Run:
         self.warned_pace = False  # ... and said, past half its budget, that it would
         self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
         self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
+        self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
         self.teacher_state: dict | None = None  # the teacher the ckpt_path checkpoint holds
 
 
