@@ -1,6 +1,7 @@
-"""The dashboard in a real browser: TensorBoard's custom-scalars tab shows the three monitors' charts.
+"""The dashboard in a real browser: TensorBoard's custom-scalars tab shows the monitors' charts.
 
-Runs a tiny training with the three monitors, starts `tensorboard --logdir` on 127.0.0.1 and opens
+Runs a tiny training with the four monitors (the "stability" section: SpikeMonitor's spike counts, the clip
+rate and coefficient), starts `tensorboard --logdir` on 127.0.0.1 and opens
 it in Debian's headless Chromium through Playwright (`executable_path`; Playwright never downloads
 a browser here). Skips only when Chromium or Playwright is missing AND the CI variable is unset; in
 CI a missing browser is a failure.
@@ -40,7 +41,15 @@ EXPECTED_CHARTS = {
     "clip share by group": 6,
     "clip coef, clipped, fired fraction": 3,
     "clip dominant group (fired steps)": 6,
+    "gradient norm after clipping by group (window mean)": 6,
+    # the "ln-lightning: stability" section
+    "spikes per logging window (spike/count)": 1,
+    "spikes since the fit started": 1,
+    "clip rate (fired fraction of the window's steps)": 1,
+    "clip coefficient (window min, mean)": 2,
 }
+STABILITY_CHARTS = ("spikes per logging window (spike/count)", "spikes since the fit started",
+                    "clip rate (fired fraction of the window's steps)", "clip coefficient (window min, mean)")
 
 
 def browser_or_skip(what: str = "dashboard browser test") -> None:
@@ -139,20 +148,26 @@ def open_custom_scalars(url: str, screenshot: str | Path, charts=EXPECTED_CHARTS
 
 @pytest.mark.browser
 @pytest.mark.slow
-def test_custom_scalars_dashboard_renders_the_three_monitors(tmp_path):
+def test_custom_scalars_dashboard_renders_the_monitors(tmp_path):
     browser_or_skip()
+    import json
+
+    from ln_lightning.callbacks import SpikeMonitor
     from ln_lightning.testing.monitors import FixedBatchLM, all_monitors, make_data, make_trainer
 
     x, y = make_data(world=1, accum=2)
     trainer = make_trainer(str(tmp_path / "logs"), "browser", accelerator="cpu", devices=1, max_steps=6,
-                       gradient_clip_val=0.05, callbacks=all_monitors(every=2))
+                       gradient_clip_val=0.05, callbacks=[*all_monitors(every=2), SpikeMonitor(every_n_steps=2)])
     trainer.fit(FixedBatchLM(x, y))
 
     server = TensorBoardServer(tmp_path / "logs")
     try:
+        layout = json.loads(urllib.request.urlopen(f"{server.url}/data/plugin/custom_scalars/layout", timeout=10).read())
         drawn = open_custom_scalars(server.url, tmp_path / "dashboard.png")
     finally:
         server.close()
+    sections = {c["title"]: [chart["title"] for chart in c["chart"]] for c in layout["category"]}
+    assert sorted(sections["ln-lightning: stability"]) == sorted(STABILITY_CHARTS), sections
     for title, n_series in EXPECTED_CHARTS.items():
         assert drawn.get(title, 0) >= n_series, f"chart {title!r} drew {drawn.get(title, 0)} lines, expected >= {n_series}"
     assert (tmp_path / "dashboard.png").stat().st_size > 20_000
