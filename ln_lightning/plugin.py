@@ -48,6 +48,7 @@ from ln_lightning.placement.apply import apply_config, rebuild
 from ln_lightning.placement.compare import difference
 from ln_lightning.placement.options import mix_split
 from ln_lightning.placement.spec import TransitionSpec
+from ln_lightning.placement.trained_change import endpoint_change
 from ln_lightning.placement.transition import check_schedule, check_target
 from ln_lightning.placement.state import MARKER
 from ln_lightning.placement.transition_control import endpoint_step
@@ -350,6 +351,7 @@ class LNPlacement(LayerSync, Callback):
         self.swap_report = applied.swap
         self.report = applied.report
         self._report_pending = True
+        _refuse_no_op(applied.report, self.placement, self.transition is not None)
         return applied.report
 
     def _adopt(self, model: nn.Module, state: rewrite_state.RewriteState) -> None:
@@ -503,6 +505,12 @@ class LNPlacement(LayerSync, Callback):
             fresh = [k for k in accepted.get("added", []) if k in names]
             if fresh and isinstance(self._run.checkpoint.get("optimizer_states"), list):
                 remap_optimizer_states(self._run.checkpoint, trainer.optimizers, pl_module, set(fresh))
+        if self._run.report_at_fit_start:
+            self._run.report_at_fit_start = False
+            self._report_pending = False
+            if accepted is not None:  # a continuation: the rewrite was measured on freshly built weights
+                self._measure_on_checkpoint(trainer, pl_module)
+            self._log_report(trainer)
         state = rewrite_state.of(pl_module)
         t = None if state is None else state.transition
         if t is not None:
@@ -517,6 +525,32 @@ class LNPlacement(LayerSync, Callback):
             t.scaled  # noqa: B018 - the host copies are read here, once, not during the steps
             if t.host_steps:  # a second fit or a resume: where it stands (the first fit starts at 0)
                 info(log, f"LNPlacement: the transition to {self.placement}-norm continues at step {t.host_steps} of {t.steps}.")
+
+    def _measure_on_checkpoint(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The report's output change, measured again on the checkpoint's trained weights (rank 0's copy: DDP
+        ranks hold the same weights; a sharded model is not run whole, so its report says where it was measured)."""
+        report = self.report
+        if report is None or not report.changed:
+            return
+        example = self.example_input if self.example_input is not None else getattr(pl_module, "example_input_array", None)
+        sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+        change = None
+        if example is not None and not sharded:
+            from lightning.fabric.utilities.apply_func import move_data_to_device
+
+            ref = next(iter(pl_module.parameters()), None)
+            change = endpoint_change(pl_module, move_data_to_device(example, ref.device) if ref is not None else example)
+        if change is None:
+            report.notes.append("the output change above was measured on the freshly built model, before the checkpoint's "
+                                "weights loaded" + (" (a sharded model is not run whole here)" if sharded else
+                                                    " (pass example_input= to measure it on the trained weights)"))
+            return
+        report.output_change, report.output_change_scope = change, "model"
+        report.preserves_function = False if change > 1e-6 else report.preserves_function
+        report.notes.append("the output change is measured on the checkpoint's trained weights" + (
+            ", at the transition's end point (blend 1) against its start (blend 0); the stream scales are measured on the "
+            "first training batch, so this is the end point with scale 1" if self.stream_scaled and self.transition else
+            ", at the transition's end point (blend 1) against its start" if self.transition else ""))
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._run is not None and self._run.stage != "fit":
@@ -733,8 +767,7 @@ class LNPlacement(LayerSync, Callback):
             info(log, self._note)
             self._note = None
         if stage == "fit" and self.log_report and self._report_pending:
-            self._report_pending = False
-            self._log_report(trainer)
+            self._run.report_at_fit_start = True  # after the checkpoint's weights: the report describes them
         elif rewrote and self.report is not None:
             info(log, f"LNPlacement ({getattr(stage, 'value', stage)}): {self.report.summary()}")
 
@@ -749,9 +782,9 @@ class LNPlacement(LayerSync, Callback):
             return
         report = self.report
         if final is None:
-            info(log, f"LNPlacement {self.config}:\n{report}")
-            if not report.converted and report.changed is False:
-                info(log, "LNPlacement: the model needed no change; training proceeds with it as it is.")
+            info(log, f"LNPlacement {self.config}:\n{self._report_text(report)}")
+            if report.blocks and not report.changed and not report.skipped:
+                info(log, f"LNPlacement: the model is {self.placement}-norm already; it needed no change and is trained as it is.")
             if report.skipped:
                 warn(
                     f"LNPlacement skipped {len(report.skipped)} block(s): "
@@ -775,8 +808,22 @@ class LNPlacement(LayerSync, Callback):
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_text"):  # TensorBoard: the report in the TEXT tab
-                text = str(report) if final is None else json.dumps(final)
+                text = self._report_text(report) if final is None else json.dumps(final)
                 experiment.add_text("ln_placement/report", "```\n" + text + "\n```", global_step=trainer.global_step)
+
+    def _report_text(self, report) -> str:
+        """The report as printed; under a transition its last word is the transition's, not a hard switch's."""
+        text = str(report)
+        spec = self.transition
+        if spec is None:
+            return text
+        change = "" if report.output_change is None else f" (its output differs by {report.output_change:.2%} from the trained one)"
+        how = (f"advances only while the drift from the trained function stays within {spec.tolerance:g} nats, within a budget "
+               f"of {spec.steps} steps" if spec.closed else f"gets there in {spec.steps} steps")
+        lines = [f"This is a transition: training starts at the trained function (blend 0) and {how}, towards this "
+                 f"rewrite{change}." if ln.startswith("WARNING: this conversion CHANGES the function") else ln
+                 for ln in text.splitlines()]
+        return "\n".join(lines)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         state = rewrite_state.of(pl_module)
@@ -806,6 +853,21 @@ class LNPlacement(LayerSync, Callback):
         return model
 
 
+def _refuse_no_op(report, placement: str, migrating: bool) -> None:
+    """Stop a fit that was asked for a placement and would train the model unchanged although it has blocks in
+    another placement (every one of them skipped): that is a silent no-op, not "the model needed no change"."""
+    if report.changed or not report.skipped:
+        return
+    reasons = "; ".join(f"{b.path}: {b.reason}" for b in report.skipped[:5]) + ("; ..." if len(report.skipped) > 5 else "")
+    raise PlacementError(
+        f"LNPlacement({placement!r}{', transition=...' if migrating else ''}) changed nothing: {len(report.skipped)} "
+        f"block(s) of the model are not {placement}-norm and none could be converted ({reasons}). Fitting would "
+        "train the model as it is, not what was asked for. Fix: tell the engine how such a block computes "
+        "(ln_lightning.placement.register_block), or convert the model yourself and drop LNPlacement; "
+        "`ln-lightning inspect` shows what is recognised."
+    )
+
+
 def _spec_for(t) -> str:
     """How to ask for the transition `t` records, as a TransitionSpec."""
     if t.closed:
@@ -830,6 +892,7 @@ class _Run:
         self.measuring = False  # the stream scales are being recorded in this batch's forward
         self.measured = False  # ... and were, in this run
         self.distill: Distillation | None = None  # the transition's distillation (TransitionSpec.distill)
+        self.report_at_fit_start = False  # the fit's report is logged at on_fit_start, on the weights it trains
         self.endpoint = False  # the current optimizer step trains at blend 1
         self.over_budget = False  # a closed loop spent its budget short of blend 1 (it holds the blend it reached)
         self.warned_pace = False  # ... and said, past half its budget, that it would

@@ -259,3 +259,81 @@ def test_no_host_read_from_the_plugin_on_transition_steps_that_do_not_log(tmp_pa
     # Step 0 measures the stream scales (one read per transition, blend.py's end_measurement: issue 32 leaves it).
     late = [c for c in spy.mode.calls if c[0] >= 1]
     assert late == [], late
+
+
+# ---------------------------------------------------------------------------------------------- point 7 and the report
+def _chained_lm():
+    """A LightningModule whose post-norm blocks the engine can't convert (two branch terms added one after another)."""
+    from torch import nn
+
+    class Chained(nn.Module):
+        def __init__(self, d=32):
+            super().__init__()
+            self.ln, self.a, self.b = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
+
+        def forward(self, x):
+            return self.ln(x + self.a(x) + self.b(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.blocks, self.head = nn.Embedding(64, 32), nn.ModuleList([Chained(), Chained()]), nn.Linear(32, 64)
+
+        def forward(self, idx):
+            x = self.emb(idx)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    module = LM("demo")
+    module.model = Model()
+    return module
+
+
+@pytest.mark.parametrize("transition_", [None, 4], ids=["placement", "migration"])
+def test_a_plugin_that_would_change_nothing_on_a_post_norm_model_stops_the_fit(tmp_path, transition_):
+    module = _chained_lm()
+    before = copy.deepcopy(module.state_dict())
+    with pytest.raises(Exception, match=r"changed nothing: 2 block\(s\).*not pre-norm.*one after another.*register_block"):
+        trainer(tmp_path, LNPlacement("pre", transition=transition_, fused=False), max_steps=2).fit(module, train_dataloaders=loader())
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())  # not trained as it is
+
+
+def test_a_pre_norm_model_needs_no_change_and_says_so(tmp_path, caplog):
+    module = LM("demo")
+    convert(module.model, "pre")
+    module.model = copy.deepcopy(module.model)  # no rewrite state of its own: a model written pre-norm
+    from ln_lightning.placement import state as rewrite_state
+
+    rewrite_state.detach(module.model)
+    with caplog.at_level("INFO", logger="ln_lightning"):
+        trainer(tmp_path, LNPlacement("pre", fused=False), max_steps=1).fit(module, train_dataloaders=loader())
+    assert "pre-norm already; it needed no change" in caplog.text
+
+
+def test_a_continuations_report_describes_the_trained_model_it_continues(tmp_path):
+    torch.manual_seed(0)
+    trained = LM("demo", lr=3e-2)
+    ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)
+    trainer(tmp_path / "a", None, max_steps=30, callbacks=[ck]).fit(trained, train_dataloaders=loader())
+    path = tmp_path / "ck" / "last.ckpt"
+    plugin = LNPlacement("pre", transition=TransitionSpec(steps=4, stream_scale=False), resume_unconverted=True, fused=False)
+    logs = tmp_path / "b"
+    with pytest.warns(LNLightningWarning):  # (the unconverted checkpoint's warning)
+        _logged_trainer(logs, plugin, 31).fit(LM("demo"), train_dataloaders=loader(), ckpt_path=path)
+    payload = json.loads(next((logs / "logs").rglob(REPORT_FILENAME)).read_text())
+    # Independently: the trained model, and the same weights converted by convert() (the plain end point).
+    reference = LM("demo")
+    reference.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
+    x = reference.example_input_array
+    converted = copy.deepcopy(reference.model)
+    convert(converted, "pre")
+    expected = rel(converted.eval()(x), reference.model.eval()(x))
+    fresh = copy.deepcopy(LM("demo").model)
+    fresh_before = fresh.eval()(x)
+    convert(fresh, "pre")
+    assert payload["report"]["output_change"] == pytest.approx(expected, rel=1e-3)
+    assert expected > 2 * rel(fresh.eval()(x), fresh_before)  # the fresh model's figure would have been far off
+    assert any("checkpoint's trained weights" in n for n in payload["report"]["notes"])
+    text = plugin._report_text(plugin.report)
+    assert "retrain" not in text and "This is a transition" in text
