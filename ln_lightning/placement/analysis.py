@@ -19,6 +19,10 @@ residual add (the branch's *entries*: all of q, k and v; every argument position
 carries it). A branch that reads `s` in any other way (a function applied to it outside a module,
 a module that gets it inside a container argument, a module called again elsewhere) can't be
 rewritten with hooks, and the reason says where.
+
+Where the branch ends (its *exit*, the module call whose output the add reads) is where a branch scale or an
+output norm goes. One exit module may serve several calls in the block (one `nn.Dropout`, or one activation, for
+both branches): each branch's call is then told apart at run time by the tensor it is given (`ExitCall`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ln_lightning.placement.plan import EntryPlan, RewritePlan, Unrecognised
+from ln_lightning.placement.plan import EntryPlan, ExitCall, RewritePlan, Unrecognised
 from ln_lightning.placement.recording import Event, Recording
 
 _TRANSPARENT = (nn.Dropout, nn.Identity)
@@ -284,8 +288,8 @@ def _next_sublayer(blk: _Block, s: int, index: int) -> tuple[ObservedSublayer, i
         return sub, _out(norm_call)
     if in_norm:
         # Where the branch ends, for the placements that add or move a norm there (peri, output).
-        exit_module, exit_index, why = _exit(blk, b, add) if not parallel else (None, None, PARALLEL)
-        plan = RewritePlan(in_norm[0].name, [], exit_module, exit_index, why)
+        exit_module, exit_index, why, call = _exit(blk, b, add) if not parallel else (None, None, PARALLEL, None)
+        plan = RewritePlan(in_norm[0].name, [], exit_module, exit_index, why, call)
         if out_norm:
             return ObservedSublayer(index, "peri", in_norm[0].name, branch, plan, out_norm=out_norm[-1].name), a
         return ObservedSublayer(index, "pre", in_norm[0].name, branch, plan, parallel=parallel), a
@@ -393,8 +397,8 @@ def _plan(blk: _Block, s: int, b: int, add: Event, norm_call: Event, branch_vals
         if old is not None and (old.arg_positions, old.kwarg_names) != (p.arg_positions, p.kwarg_names):
             raise Unrecognised(f"branch module {e.name} receives the stream at different arguments on different calls")
         plans[e.name] = p
-    exit_module, exit_index, reason = _exit(blk, b, add)
-    return RewritePlan(norm_call.name, sorted(plans.values(), key=lambda p: p.module), exit_module, exit_index, reason)
+    exit_module, exit_index, reason, call = _exit(blk, b, add)
+    return RewritePlan(norm_call.name, sorted(plans.values(), key=lambda p: p.module), exit_module, exit_index, reason, call)
 
 
 def _entry_frame(blk: _Block, r: Event, s: int, add: Event) -> Event | None:
@@ -408,7 +412,7 @@ def _entry_frame(blk: _Block, r: Event, s: int, add: Event) -> Event | None:
     return None
 
 
-def _exit(blk: _Block, b: int, add: Event) -> tuple[str | None, int | None, str]:
+def _exit(blk: _Block, b: int, add: Event) -> tuple[str | None, int | None, str, ExitCall | None]:
     found = []
     for e in blk.rec.within(blk.call):
         if e.kind != "module" or blk.contains(e, add):
@@ -419,11 +423,45 @@ def _exit(blk: _Block, b: int, add: Event) -> tuple[str | None, int | None, str]
     if not found:
         producer = blk.rec.values[b].producer
         name = blk.rec.events[producer].name if producer is not None else "?"
-        return None, None, f"the branch ends in `{name}`, not a module call"
+        return None, None, f"the branch ends in `{name}`, not a module call", None
     # The outermost of the modules that return the branch value; of siblings (a linear, then a
     # dropout that returned its input in eval) the last, which is what the add reads in training too.
     outer = [f for f in found if not any(g is not f and blk.contains(g[0], f[0]) for g in found)]
     e, index = max(outer, key=lambda f: f[0].index)
-    if len(blk.calls_of(e.module)) != 1:
-        return None, None, f"branch exit {e.name} is called more than once"
-    return e.name, index, ""
+    calls = blk.calls_of(e.module)
+    if len(calls) == 1:
+        return e.name, index, "", None
+    call, why = _exit_call(blk, e, calls, add)
+    if call is None:
+        return None, None, f"branch exit {e.name} is called {len(calls)} times in the block and {why}", None
+    return e.name, index, "", call
+
+
+def _exit_call(blk: _Block, e: Event, calls: list[Event], add: Event) -> tuple[ExitCall | None, str]:
+    """Which of the exit module's calls is this branch's, told at run time by the tensor it is given: the output
+    of the module call (its *feeder*, called once in the block) that hands the branch's value to the exit, as in
+    `drop(attn(x))` and `drop(mlp(x))` with one `drop`. (ExitCall, "") or (None, why it can't be told)."""
+    number = next(i for i, c in enumerate(calls) if c.index == e.index)
+    given_to_others = {v for c in calls if c is not e for _, v in c.inputs}
+    why = "its call for this branch gets no argument that a module called once in the block returned"
+    for where, v in e.inputs:
+        if len(where) != 2 or where[0] != "arg" or v in given_to_others:
+            continue
+        feeders = []
+        for f in blk.rec.within(blk.call):
+            if f.kind != "module" or f.end >= e.index or blk.contains(f, add) or f.module is e.module:
+                continue
+            for w, o in f.outputs:
+                if o == v and (w == () or (len(w) == 1 and isinstance(w[0], int))):
+                    feeders.append((f, None if w == () else w[0]))
+        if not feeders:
+            continue
+        # The one that ran last hands the value on (a module that returned its input in eval, a dropout, does so
+        # in training with a new tensor): it alone is told apart by identity in every mode.
+        f, index = max(feeders, key=lambda g: g[0].end)
+        n = len(blk.calls_of(f.module))
+        if n != 1:
+            why = f"the module {f.name} that hands it the branch's value is called {n} times as well"
+            continue
+        return ExitCall(f.name, index, where[1], number), ""
+    return None, why

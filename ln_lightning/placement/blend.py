@@ -52,7 +52,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ln_lightning.placement import hooks
-from ln_lightning.placement.blocks import STREAM_SITE_ATTR
+from ln_lightning.placement.blocks import STREAM_SITE_ATTR, UNSCALED_SITE_ATTR
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.norms import norm_types
 from ln_lightning.placement.scale import BranchScale, InputScale
@@ -120,7 +120,8 @@ class Transition(nn.Module):
         # them again on weights that have moved. `scales_state`: 0 to measure, 1 measured, 2 not scaled (C = 1:
         # the plain blend).
         # Each site's BranchScale (pre: its c is C_k) or added output norm (peri: its gain is C_k times the trained
-        # branch output's spread); filled by `start`.
+        # branch output's spread), or None (a block converted without the scale: its norm is measured, its branch
+        # adds unscaled); filled by `start`.
         self.sites = [None] * sites
         # Per site the norm whose gain the measurement sets (peri: its added output norm, the site's own entry in
         # `sites`; output: the moved norm at the branch exit, whose trained gain and bias the call site keeps in
@@ -658,12 +659,23 @@ def start(model: nn.Module, converted: Iterable[tuple[str, bool]], added: Iterab
     # module order (the order the scales are stored in; the stream's order is read by the measuring forward).
     sites, scales, stacks = [], [], []
     for (path, _), block in zip(converted, blocks):
+        stack = path.rpartition(".")[0]  # the container the block sits in: its stack
         for m in block.modules():
             site = m.__dict__.get(STREAM_SITE_ATTR)
             if site is not None:
                 sites.append(site)
                 scales.append(m)
-                stacks.append(path.rpartition(".")[0])  # the container the block sits in: its stack
+                stacks.append(stack)
+        # A block converted without the stream scale (its branches could take none: BlockChange.fallback) still
+        # divides the trained stream at its norms: they are sites with no scale of their own (None), measured like the
+        # others so that the later branches' C_k count them. In the order of the block's sublayers.
+        unscaled = [m for m in block.modules() if UNSCALED_SITE_ATTR in m.__dict__]
+        for m in sorted(unscaled, key=lambda m: m.__dict__[UNSCALED_SITE_ATTR]):
+            sites.append(m)
+            scales.append(None)
+            stacks.append(stack)
+    if all(m is None for m in scales):  # no branch scale at all: the plain blend
+        sites, scales, stacks = [], [], []
     at_exits = {id(h.norm) for block in blocks for m in block.modules() for h in m._forward_hooks.values()
                 if isinstance(h, hooks.NormalizeBranchOutput)}
     finals = []

@@ -32,6 +32,10 @@ from ln_lightning.placement.scale import BranchScale, InputScale
 # On a branch_scale="stream" BranchScale (pre), added output norm (peri) or InputScale (output): the norm whose stream
 # its branch reads.
 STREAM_SITE_ATTR = "ln_lightning_stream_site"
+# On the (deferred) norm of a post-norm sublayer that was converted to pre-norm without the branch_scale="stream" it
+# was asked for (`ScaleFactory.without_scale`): its index among the block's sublayers. A stream-scaled transition
+# measures that norm as a site with no scale of its own (placement/blend.py).
+UNSCALED_SITE_ATTR = "ln_lightning_unscaled_site"
 
 
 class ScaleFactory:
@@ -41,6 +45,7 @@ class ScaleFactory:
         from ln_lightning.placement.scale import depth_scale, layerscale_init_for_depth
 
         self.kind = kind
+        self.unscaled_sites = False  # (see without_scale)
         if kind is None:
             self.value = None
         elif kind == "depth":
@@ -51,6 +56,13 @@ class ScaleFactory:
             self.value = 1.0  # until a transition measures it (placement/blend.py: the stream-scaled blend)
         else:
             self.value = float(kind)
+
+    def without_scale(self) -> "ScaleFactory":
+        """No scaling, for a block whose branches can't take this one's scale (the plain form). In place of a
+        branch_scale="stream" it marks the block's norms as sites without a scale (UNSCALED_SITE_ATTR)."""
+        plain = ScaleFactory(None, 1, None)
+        plain.unscaled_sites = self.kind == "stream"
+        return plain
 
     def __call__(self, norm: nn.Module) -> BranchScale | None:
         if self.kind is None:
@@ -116,6 +128,11 @@ class Handler:
     # -- rewriting ------------------------------------------------------------------------------
     def can_convert_to(self, placement: str, scales=None) -> str | None:
         """None if possible, else the reason."""
+        return None
+
+    def scale_refusal(self, placement: str, scales) -> str | None:
+        """Why the block can be rewritten to `placement` but not with the branch scale `scales` (None: it can).
+        convert then rewrites it without the scale, and says so (BlockChange.fallback)."""
         return None
 
     def as_written(self) -> bool:
@@ -397,8 +414,17 @@ class HookedHandler(Handler):
                 return where + (s.reason or f"sublayer {s.name}: no plan for the rewrite")
             if placement in ("peri", "output") and s.written in ("post", "pre") and s.plan.exit_module is None:
                 return f"sublayer {s.name}: {s.plan.exit_reason}, so there is no module whose output can be normalised"
-            if scales is not None and scales.kind is not None and s.plan.exit_module is None:
-                return f"cannot scale sublayer {s.name}: {s.plan.exit_reason}"
+        return self.scale_refusal(placement, scales)
+
+    def scale_refusal(self, placement, scales: ScaleFactory | None) -> str | None:
+        """Why the block, which can be rewritten to `placement`, can't take the branch scale `scales` (None if it can):
+        a sublayer whose branch ends in no module call a hook can scale."""
+        if scales is None or scales.kind is None or placement != "pre":
+            return None
+        for s in self.subs:
+            if s.written != placement and s.plan is not None and s.plan.exit_module is None:
+                where = f"stream {self.streams[s.stream].label}: " if len(self.streams) > 1 else ""
+                return f"{where}cannot scale sublayer {s.name}: {s.plan.exit_reason}"
         return None
 
     # -- rewriting ------------------------------------------------------------------------------
@@ -406,9 +432,10 @@ class HookedHandler(Handler):
         """Back to the block as written: every hook, deferral and module of ours goes."""
         removed = []
         for m in self.block.modules():
-            for kind in (hooks.NormalizeBranchInput, hooks.ScaleBranchOutput, hooks.NormalizeBranchOutput):
+            for kind in (hooks.NormalizeBranchInput, hooks.ScaleBranchOutput, hooks.NormalizeBranchOutput, hooks.TagBranchValue):
                 hooks.remove_our_hooks(m, kind)
             hooks.undefer_norm(m)
+            m.__dict__.pop(UNSCALED_SITE_ATTR, None)
         for name in self.block.__dict__.pop(_ADDED, []):
             if name in self.block._modules:
                 del self.block._modules[name]
@@ -428,7 +455,7 @@ class HookedHandler(Handler):
         removed = self._undo()
         added: list[str] = []
         state = []
-        for s in self.subs:
+        for i, s in enumerate(self.subs):
             target = s.written if placement == "post" else placement
             state.append(target)
             if target == s.written:
@@ -452,10 +479,10 @@ class HookedHandler(Handler):
                     # stream's constant C_k there times the trained branch output's spread.
                     out.__dict__[STREAM_SITE_ATTR] = norm
                 added.append(self._add(self._out_norm_name(s), out))
-                self._get(p.exit_module).register_forward_hook(hooks.NormalizeBranchOutput(out, p.exit_index, deferred=False))
+                self._get(p.exit_module).register_forward_hook(hooks.NormalizeBranchOutput(out, p.exit_index, deferred=False, call=self._branch_call(p)))
             if target == "output":
                 hooks.defer_norm(norm)
-                self._get(p.exit_module).register_forward_hook(hooks.NormalizeBranchOutput(norm, p.exit_index, deferred=True))
+                self._get(p.exit_module).register_forward_hook(hooks.NormalizeBranchOutput(norm, p.exit_index, deferred=True, call=self._branch_call(p)))
                 if scales.kind == "stream" and s.written == "post":
                     # The stream-scaled transition to output (placement/blend.py): the branch reads x / C_k, and the
                     # moved norm's gain becomes C_k times the trained branch output's spread.
@@ -468,10 +495,23 @@ class HookedHandler(Handler):
             scale = scales(norm) if target == "pre" else None
             if scale is not None:
                 added.append(self._add(self._scale_name(s), scale))
-                self._get(p.exit_module).register_forward_hook(hooks.ScaleBranchOutput(scale, p.exit_index))
+                self._get(p.exit_module).register_forward_hook(hooks.ScaleBranchOutput(scale, p.exit_index, call=self._branch_call(p)))
+            elif target == "pre" and s.written == "post" and scales.unscaled_sites:
+                # Converted without the stream scale it was asked for (see ScaleFactory.without_scale): the transition
+                # still measures this norm, whose division the later branches' scales must count.
+                norm.__dict__[UNSCALED_SITE_ATTR] = i
         if state != [s.written for s in self.subs]:
             self.block.__dict__[_STATE] = state
         return added, removed
+
+    def _branch_call(self, plan: RewritePlan) -> hooks.BranchCall | None:
+        """Where the exit module ends other branches too: the tag on its feeder, and the selector for the exit's hooks."""
+        c = plan.exit_call
+        if c is None or plan.exit_module is None:
+            return None
+        tag = hooks.TagBranchValue(c.feeder_index)
+        self._get(c.feeder).register_forward_hook(tag)
+        return hooks.BranchCall(tag, c.arg)
 
     def to_pre(self, scales):
         return self.to("pre", scales)[0]
@@ -505,6 +545,7 @@ class HookedHandler(Handler):
             specs[s.stream].append(SublayerCheck(
                 entries=p.entries if in_norm is not None else [], in_norm=in_norm,
                 exit_module=p.exit_module if p is not None else None, exit_index=p.exit_index if p is not None else None,
+                exit_call=p.exit_call.number if p is not None and p.exit_call is not None else None,
                 out_norm=out_norm, scale=getattr(self.block, self._scale_name(s), None),
                 through=self._get(s.norm) if s.written == "post" else None,
             ))

@@ -7,7 +7,8 @@ block must show, for every sublayer, with the stream `s` it receives:
   `N(s)` is computed here through the norm's own class (no hook of ours involved);
 * nothing else reads the raw stream: only the residual add (and modules that contain it) do; a
   q, k or v projection, a second stream argument, a function, a module the plan missed, would;
-* the residual add produces `s + c * b`, with `b` the branch exit's output before our scale;
+* the residual add produces `s + c * b`, with `b` the branch exit's output before our scale (of an exit
+  module several branches share, its call for this branch by the order of the forward it was read from);
 * the norm's call site passes that sum through unchanged, and it is the next sublayer's stream;
 * the block's output stream is the last sum.
 
@@ -71,6 +72,9 @@ class SublayerCheck:
     out_norm: nn.Module | None  # applied to the raw exit output (peri's added norm, output's moved norm)
     scale: nn.Module | None
     through: nn.Module | None  # a post-norm sublayer's norm: its call site must pass x + branch through
+    # An exit module other branches call too: which of its calls in the block is this branch's (by the order of the
+    # forward the block was read from, not by how the rewrite's hooks tell them apart); None: its last call.
+    exit_call: int | None = None
 
 
 def _value_at(call, outputs: bool, where) -> int | None:
@@ -171,7 +175,9 @@ def _check_stream(rec, call, block, s, out_v, subs, raw_exits, feeds_output, ins
         if sc.exit_module is not None:
             if not raw.values:
                 raise CheckFailed(f"sublayer {i}: branch exit {sc.exit_module} did not run")
-            b = raw.values[-1]
+            if sc.exit_call is not None and len(raw.values) <= sc.exit_call:
+                raise CheckFailed(f"sublayer {i}: branch exit {sc.exit_module} ran {len(raw.values)} times, not its call {sc.exit_call + 1}")
+            b = raw.values[-1 if sc.exit_call is None else sc.exit_call]
             if not isinstance(b, torch.Tensor):
                 raise CheckFailed(f"sublayer {i}: the branch exit {sc.exit_module} returns a {type(b).__name__}, not a tensor (declare exit_index)")
             if sc.out_norm is not None:

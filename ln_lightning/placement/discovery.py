@@ -12,6 +12,7 @@ replace lives in `families/`, one file per family.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,8 +257,9 @@ def _observed_handler(block: nn.Module, path: str, rec: Recording, call) -> Hook
         rel = lambda p: _relative(p, path)  # noqa: E731
         plan = None
         if o.plan is not None:
+            call = o.plan.exit_call and dataclasses.replace(o.plan.exit_call, feeder=rel(o.plan.exit_call.feeder))
             plan = RewritePlan(rel(o.plan.norm), [EntryPlan(rel(e.module), e.arg_positions, e.kwarg_names) for e in o.plan.entries],
-                               rel(o.plan.exit_module), o.plan.exit_index, o.plan.exit_reason)
+                               rel(o.plan.exit_module), o.plan.exit_index, o.plan.exit_reason, call)
         sep = " + " if o.parallel else " > "
         branch = sep.join(_relative(b, path) for b in o.branch.split(sep)) if o.branch != "(functions)" else o.branch
         name = plan.entries[0].module if plan is not None and plan.entries else (branch.split(sep)[0] if o.branch != "(functions)" else f"sublayer{o.index}")

@@ -23,7 +23,7 @@ from torch import nn
 from ln_lightning.placement import final_norm as fn
 from ln_lightning.placement import hooks, isolation
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement.blocks import Handler, ScaleFactory
+from ln_lightning.placement.blocks import Handler, ScaleFactory, TorchLayerHandler
 from ln_lightning.placement.checks import CheckFailed, relative_error, tolerance
 from ln_lightning.placement.discovery import CONTAINERS, Example, Found, Stack, discover, eval_no_grad, synthetic_probe
 from ln_lightning.placement.errors import PlacementError
@@ -330,6 +330,9 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
             report.blocks.append(change)
             if change.status == "skipped" and strict:
                 raise PlacementError(f"strict conversion: block {h.path} ({change.kind}) skipped: {change.reason}")
+            if change.fallback and strict:
+                raise PlacementError(f"strict conversion: block {h.path} ({change.kind}) can't take branch_scale={branch_scale!r}: "
+                                     f"{change.fallback}")
         if targets and targets[-1] != "post":
             _final_norm_step(model, stack, found, final_norm, strict, report, targets)
 
@@ -394,7 +397,7 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
     if refused_reason:
         change.status, change.reason = "skipped", refused_reason
         return change
-    reason = h.can_convert_to(placement, scales)
+    reason = h.can_convert_to(placement, None)
     if reason:
         change.status, change.reason = "skipped", reason
         return change
@@ -403,24 +406,48 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
     # passed directly are never written by a forward: they are shared, not copied.
     shared = {id(v): v for v in (*probe[0], *probe[1].values()) if isinstance(v, torch.Tensor)}
     fresh = lambda: copy.deepcopy(probe, dict(shared))  # noqa: E731
-    args, kwargs = fresh()
     y_before = observed  # the block's stream output in the recorded forward, when there was one
     if y_before is None:
         try:
+            args, kwargs = fresh()
             with eval_no_grad(h.block):
                 y_before = _first_tensor(h.block(*args, **kwargs))
         except Exception as e:  # noqa: BLE001 - the user's block refused the probe: a reason, not a crash
             change.status = "skipped"
             change.reason = f"running the block on a probe input failed ({type(e).__name__}: {e}); pass example_input= to probe it with real inputs"
             return change
-    block_snapshot = Snapshot(h.block)
     change.from_written = h.as_written()
+    # A block whose branches can't take the branch scale gets the rewrite without it, never no rewrite at all.
+    why_unscaled = h.scale_refusal(placement, scales)
+    done = _rewrite_and_check(h, placement, scales.without_scale() if why_unscaled else scales, fresh, y_before, change, report)
+    if not done and not why_unscaled and _scales_branches(h, placement, scales):
+        why_unscaled = f"the rewrite with the scale failed its check ({change.reason})"
+        change.status, change.reason = "already", ""
+        _rewrite_and_check(h, placement, scales.without_scale(), fresh, y_before, change, report)
+    if why_unscaled and change.status == "converted":
+        change.fallback = (f"converted without branch_scale={scales.kind!r} (its branches add unscaled, the plain "
+                           f"{placement}-norm form): {why_unscaled}")
+        change.reason = change.fallback
+    return change
+
+
+def _scales_branches(h: Handler, placement: str, scales: ScaleFactory) -> bool:
+    """Whether the rewrite of `h` to `placement` puts `scales` on its branches (what a rewrite without them could do
+    instead)."""
+    return placement == "pre" and scales.kind is not None and not isinstance(h, TorchLayerHandler)
+
+
+def _rewrite_and_check(h: Handler, placement: str, scales: ScaleFactory, fresh, y_before, change: BlockChange, report) -> bool:
+    """Rewrite `h` to `placement` with `scales` and check it; on any failure put the block back as it was. Fills in
+    `change` (converted, or skipped with the reason); True when converted."""
+    args, kwargs = fresh()
+    block_snapshot = Snapshot(h.block)
     try:
         added, removed = h.to(placement, scales)
     except Unrecognised as e:
         block_snapshot.restore()
         change.status, change.reason = "skipped", str(e)
-        return change
+        return False
     try:
         with eval_no_grad(h.block):
             err, y_after = h.check(*fresh(), placement)
@@ -439,18 +466,18 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
                 "reach (a buffer written from it, `.data`, a copy out of torch, a kernel on raw storage); block left unchanged"
             )
             block_snapshot.restore()
-            return change
+            return False
     except CheckFailed as e:
         block_snapshot.restore()  # a block we can't verify is left exactly as it was
         change.status, change.reason = "skipped", f"probe check failed, block left unchanged: {e}"
-        return change
+        return False
     report.added.extend(added)
     report.removed.extend(removed)
     change.status, change.after = "converted", placement
     change.check_error = err if ref_err is None else max(err, ref_err)
     change.reference_error = ref_err
     change.output_change = relative_error(_first_tensor(y_after), y_before)
-    return change
+    return True
 
 
 def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict: bool, report: ConversionReport, targets: list[str]) -> None:

@@ -9,7 +9,9 @@ rewrite that code (it may branch on masks, modes or config that a trace cannot s
   `x + b`, so the stream is no longer normalised;
 * a forward pre-hook on every module where the branch first reads `x` (its *entries*) replaces those
   arguments by `norm.normalize(x)`, so the branch computes `branch(LN(x))`;
-* optionally a forward hook on the branch's last module (its *exit*) scales its output by `c`.
+* optionally a forward hook on the branch's last module (its *exit*) scales its output by `c` (where one
+  exit module ends several branches, a `TagBranchValue` on the module that hands it this branch's value
+  tells this branch's call apart).
 
 Together: `x <- x + c * branch(LN(x))`, the pre-norm formula, with every parameter where it was
 (same module paths, same tensors). Undoing the three steps restores the original function exactly.
@@ -360,19 +362,67 @@ def _with_branch_value(output, index: int | None, value):
     return type(output)(out) if isinstance(output, tuple) else out
 
 
+class TagBranchValue:
+    """Forward hook on the module that hands a shared branch exit its value (the exit's *feeder*: `attn` in
+    `drop(attn(x))` where one `drop` ends both branches): remembers, weakly, the tensor it returned, so the exit's
+    hooks act on that call of the exit only (`BranchCall`)."""
+
+    def __init__(self, index: int | None):
+        self.index = index
+        self._last = None
+
+    def __call__(self, module, args, output):
+        value = output if self.index is None else output[self.index]
+        self._last = weakref.ref(value) if isinstance(value, torch.Tensor) else None
+        return None
+
+    def returned(self, t) -> bool:
+        last = self._last
+        return last is not None and last() is t
+
+    # A copy (deepcopy, pickle) remembers nothing: the tensor belongs to the forward that made it.
+    def __deepcopy__(self, memo):
+        return TagBranchValue(self.index)
+
+    def __getstate__(self):
+        return {"index": self.index}
+
+    def __setstate__(self, state):
+        self.index, self._last = state["index"], None
+
+
+class BranchCall:
+    """Picks a branch's call of a shared exit module: the one whose positional argument `arg` is the tensor its
+    feeder's `TagBranchValue` remembers (the same tensor object in training and in eval, whatever the exit does)."""
+
+    def __init__(self, tag: TagBranchValue, arg: int):
+        self.tag = tag
+        self.arg = arg
+
+    def selects(self, args: tuple) -> bool:
+        return self.arg < len(args) and self.tag.returned(args[self.arg])
+
+
+def _is_this_branch(hook, args) -> bool:
+    call = hook.__dict__.get("call")  # (absent on hooks pickled before shared exits)
+    return call is None or call.selects(args)
+
+
 class NormalizeBranchOutput:
     """Forward hook on a branch exit: output (or `output[index]`) -> a norm of it.
 
     `deferred=True`: the branch's own norm, deferred at its call site, normalises here (`"output"`
-    placement, OLMo 2's `x + N(F(x))`); `False`: an output norm the rewrite added (`"peri"`)."""
+    placement, OLMo 2's `x + N(F(x))`); `False`: an output norm the rewrite added (`"peri"`).
+    `call`: on an exit module other branches call too, the `BranchCall` that picks this branch's call."""
 
-    def __init__(self, norm: nn.Module, index: int | None, deferred: bool):
+    def __init__(self, norm: nn.Module, index: int | None, deferred: bool, call: BranchCall | None = None):
         self.norm = norm
         self.index = index
         self.deferred = deferred
+        self.call = call
 
     def __call__(self, module, args, output):
-        if bypassed():
+        if bypassed() or not _is_this_branch(self, args):
             return None
         value = output if self.index is None else output[self.index]
         return _with_branch_value(output, self.index, self.normalized(value))
@@ -383,16 +433,18 @@ class NormalizeBranchOutput:
 
 
 class ScaleBranchOutput:
-    """Forward hook on a branch exit: output (or `output[index]`) times `scale` (a module)."""
+    """Forward hook on a branch exit: output (or `output[index]`) times `scale` (a module); `call` as for
+    `NormalizeBranchOutput`."""
 
-    def __init__(self, scale: nn.Module | None, index: int | None):
+    def __init__(self, scale: nn.Module | None, index: int | None, call: BranchCall | None = None):
         self.scale = scale
         self.index = index
+        self.call = call
 
     def __call__(self, module, args, output):
         if bypassed():
             return None
-        if self.scale is None:
+        if self.scale is None or not _is_this_branch(self, args):
             return None
         value = output if self.index is None else output[self.index]
         return _with_branch_value(output, self.index, self.scaled(value))
@@ -527,7 +579,8 @@ class ApplyFinalNormAtConsumer:
         return args, kwargs
 
 
-OUR_HOOK_TYPES = (NormalizeBranchInput, NormalizeBranchOutput, ScaleBranchOutput, ApplyFinalNorm, TapStream, ApplyFinalNormAtExit, ApplyFinalNormAtConsumer)
+OUR_HOOK_TYPES = (NormalizeBranchInput, NormalizeBranchOutput, ScaleBranchOutput, TagBranchValue, ApplyFinalNorm, TapStream,
+                  ApplyFinalNormAtExit, ApplyFinalNormAtConsumer)
 
 
 def remove_our_hooks(module: nn.Module, kind: type) -> int:

@@ -163,6 +163,9 @@ class BlockChange:
     # Relative error against the block's original modules run as black boxes (placement/black_box.py);
     # None where the check above is already independent of the recording (torch's layers).
     reference_error: float | None = None
+    # Converted, but not as asked: what it got instead and why ("converted without branch_scale='stream' (...): cannot
+    # scale sublayer attn: the branch ends in `mul`, not a module call"); "" when it got what was asked.
+    fallback: str = ""
 
 
 @dataclass
@@ -194,6 +197,11 @@ class ConversionReport:
         return [b for b in self.blocks if b.status == "skipped"]
 
     @property
+    def fallbacks(self) -> list[BlockChange]:
+        """Blocks converted, but not as asked (without the branch scale): `BlockChange.fallback` says how and why."""
+        return [b for b in self.blocks if b.fallback]
+
+    @property
     def changed(self) -> bool:
         return bool(self.converted or self.added or self.removed)
 
@@ -212,6 +220,8 @@ class ConversionReport:
             f"{sum(b.status == 'already' for b in self.blocks)} already {self.placement}",
             f"{len(self.skipped)} skipped",
         ]
+        if self.fallbacks:
+            parts.insert(1, f"{len(self.fallbacks)} of them without the branch scale (see fallback)")
         if self.added:
             parts.append(f"added {len(self.added)} module(s)")
         return ", ".join(parts)
