@@ -139,51 +139,21 @@ class LNPlacement(LayerSync, Callback):
             other parameters the rewrite added keep their fresh values (and fresh optimizer state). With
             ``transition_steps`` this is how a plugin-less post-norm run continues as pre-norm: the resumed model
             computes exactly the checkpoint's function and the transition starts at the checkpoint's step.
-        transition_steps: ``None`` (the rewrite takes effect at once), or ``N``: a function-preserving transition
-            (``ln_lightning.placement.transition``). At fit start the model computes exactly the function it
-            had; each optimizer step moves a blend towards ``placement`` (logged as ``ln_placement/transition``);
-            after ``N`` optimizer steps the transition machinery is removed and the model is exactly what
-            ``convert(model, placement, ...)`` gives. The steps done are part of the model (a buffer in every
-            checkpoint), so a resumed run, and a second ``fit`` of the same model, continue where it stood; a
-            fit that ends before the transition says so. Any placement but ``"post"`` (which can't preserve a
-            trained function: it only undoes a rewrite). At most ``2**63 - 1``.
-        transition_schedule: ``"linear"`` (blend = t) or ``"cosine"`` (blend = (1 - cos(pi t)) / 2), t = steps done / N.
-        transition_stream_scale: with ``transition_steps`` and no ``branch_scale``: the stream-scaled blend (on
-            by default, to every placement). A post-norm model divides its stream by
-            each norm's scale, so an older branch weighs less than a newer one; a plain pre-norm stream only adds, and the trained function
-            moves by much more than the norms' move suggests (on the 12-layer study LM, KL 0.82 at the blend's end
-            against 0.09 stream-scaled). Each converted branch ``k`` gets the constant ``C_k = prod sigma_i /
-            |gamma_i|`` of the norms before it in its stack, measured once, on the first training batch at
-            blend 0 (the mean over ranks), and the blend moves the stream between the two scalings. The
-            endpoint is ``convert(model, placement, branch_scale="stream")`` with those constants (persistent
-            buffers ``<branch>_scale.c``: in every checkpoint and saved model; a native Hugging Face export
-            needs plain pre-norm, so such a model is exported with its remote code). Where the scales can't be
-            measured (a norm that runs more than once per forward, a site that doesn't run) the plain blend runs
-            and a warning says why. ``False``: the plain blend, ending at plain pre-norm. To ``"peri"`` the
-            constants go into the added output norms instead: each one's gain starts at ``C_k`` times the trained
-            branch output's spread (measured in the same forward), so its branch writes about what the
-            pre-norm endpoint's does, and the endpoint is plain peri-norm with those gains (parameters, trained
-            from there). What peri can't keep is each token's branch magnitude, which its output norms
-            normalise away (on the study LM, KL 0.30 to the trained function at the end of the blend, where
-            pre-norm's is 0.09). To ``"output"`` (``x + N(F(x))``) each branch reads the stream divided by a
-            constant entry scale (``<branch>_in_scale.c``, ``C_k`` at the end, ``D_k = (1-a) + a C_k`` mid-way),
-            and the moved norm, at the branch exit, gets the gain ``C_k`` times the trained branch output's
-            spread (its gradient and optimizer state start afresh there), while its call site keeps the gain and
-            bias it was trained to (buffers of the transition, taken at the measurement) until the blend ends; the
-            endpoint is ``convert(model, "output", branch_scale="stream")``. Such a model saves the
-            Hugging Face way once the transition has ended, not mid-way (keep the Lightning checkpoint).
-        transition_endpoint_fraction: the fraction of the transition's optimizer steps (never the first) that
-            train at blend 1, the function the transition ends at, while the model holds the scheduled blend
-            between steps (what validation and checkpoints see). Picked by a hash of the step index: the same on
-            every rank, under accumulation and after a resume. Default 0.25; 0 trains every step at the held blend.
-        transition_distill: the weight of ``KL(trained || model)`` added to the loss ``training_step`` returns while
-            the transition runs (0 turns it off). The trained function is a frozen copy of the model taken at the
-            transition's start (blend 0), run on the inputs of each ``self(...)`` call in ``training_step``; its
-            output's predictions (a tensor, ``logits``, or a tuple's first element) are compared over the last
-            dimension. It costs a copy of the weights and one forward of it per training forward, during the
-            transition only, and its weights go into the transition's checkpoints (a resume distils towards the
-            same function). Under manual optimisation, a sharded strategy (FSDP, ModelParallelStrategy) or an
-            output without predictions, the transition runs without it and a warning says why.
+        transition: ``None`` (the rewrite takes effect at once), a :class:`~ln_lightning.TransitionSpec`, or an int
+            ``N`` (``TransitionSpec(steps=N)``): a function-preserving transition (``ln_lightning.placement.transition``).
+            At fit start the model computes exactly the function it had; a blend moves it towards ``placement``
+            (logged as ``ln_placement/transition``) and, at blend 1, the transition machinery is removed and the model
+            is exactly what ``convert(model, placement, ...)`` gives. By default a closed loop moves the blend: only
+            while the drift from the trained function (KL on the training batches, ``ln_placement/drift``) stays
+            within ``tolerance``, with ``N`` steps as its budget; a model that can't get there within it says so and
+            stays at the blend it reached. ``TransitionSpec(steps=N, tolerance=None)`` is the open loop: blend 1
+            after exactly ``N`` steps. The steps done and the blend are part of the model (buffers in every
+            checkpoint), so a resumed run, and a second ``fit`` of the same model, continue where it stood; a fit
+            that ends before the transition says so. Any placement but ``"post"`` (which can't preserve a trained
+            function: it only undoes a rewrite). What each option does, and what the stream-scaled blend keeps:
+            :class:`~ln_lightning.TransitionSpec`. The keywords ``transition_steps``, ``transition_schedule``,
+            ``transition_stream_scale``, ``transition_endpoint_fraction`` and ``transition_distill`` still work for
+            this release (the open loop, as before) with a DeprecationWarning.
 
     A model that is already rewritten (by an earlier ``LNPlacement`` or by ``convert``) is trained as it
     is when this ``LNPlacement`` asks for the same function (the configuration the model computes is what

@@ -36,12 +36,43 @@ class TransitionSpec:
         ramp: closed loop: the fraction of the budget the blend takes from 0 to 1 when nothing holds it (the slack
             is for holding and for training at the end point).
         schedule: open loop: ``"linear"`` (blend = t) or ``"cosine"`` ((1 - cos(pi t)) / 2), t = steps done / steps.
-        stream_scale: the stream-scaled blend (branches keep their trained weight in the stream; see
-            ``LNPlacement``); ``False``: the plain blend, ending at the plain rewrite.
-        endpoint_fraction: the fraction of the transition's steps (never the first) that train at blend 1, while
-            the model holds the current blend between steps.
-        distill: the weight of KL(trained || model) added to the loss while blending (0: not added; the closed loop
-            still measures it).
+        stream_scale: with no ``branch_scale`` given to LNPlacement, the stream-scaled blend (on by default, to every
+            placement). A post-norm model divides its stream by
+            each norm's scale, so an older branch weighs less than a newer one; a plain pre-norm stream only adds, and the trained function
+            moves by much more than the norms' move suggests (on the 12-layer study LM, KL 0.82 at the blend's end
+            against 0.09 stream-scaled). Each converted branch ``k`` gets the constant ``C_k = prod sigma_i /
+            |gamma_i|`` of the norms before it in its stack, measured once, on the first training batch at
+            blend 0 (the mean over ranks), and the blend moves the stream between the two scalings. The
+            endpoint is ``convert(model, placement, branch_scale="stream")`` with those constants (persistent
+            buffers ``<branch>_scale.c``: in every checkpoint and saved model; a native Hugging Face export
+            needs plain pre-norm, so such a model is exported with its remote code). Where the scales can't be
+            measured (a norm that runs more than once per forward, a site that doesn't run) the plain blend runs
+            and a warning says why. ``False``: the plain blend, ending at plain pre-norm. To ``"peri"`` the
+            constants go into the added output norms instead: each one's gain starts at ``C_k`` times the trained
+            branch output's spread (measured in the same forward), so its branch writes about what the
+            pre-norm endpoint's does, and the endpoint is plain peri-norm with those gains (parameters, trained
+            from there). What peri can't keep is each token's branch magnitude, which its output norms
+            normalise away (on the study LM, KL 0.30 to the trained function at the end of the blend, where
+            pre-norm's is 0.09). To ``"output"`` (``x + N(F(x))``) each branch reads the stream divided by a
+            constant entry scale (``<branch>_in_scale.c``, ``C_k`` at the end, ``D_k = (1-a) + a C_k`` mid-way),
+            and the moved norm, at the branch exit, gets the gain ``C_k`` times the trained branch output's
+            spread (its gradient and optimizer state start afresh there), while its call site keeps the gain and
+            bias it was trained to (buffers of the transition, taken at the measurement) until the blend ends; the
+            endpoint is ``convert(model, "output", branch_scale="stream")``. Such a model saves the
+            Hugging Face way once the transition has ended, not mid-way (keep the Lightning checkpoint).
+        endpoint_fraction: the fraction of the transition's optimizer steps (never the first) whose training forward
+            and backward run at blend 1, the function the transition ends at, while the model holds its blend for
+            everything else (callbacks, validation, checkpoints). Picked by a hash of the step index: the same on every
+            rank, under accumulation and after a resume. 0 trains every step at the held blend.
+        distill: the weight of ``KL(trained || model)`` added to the loss ``training_step`` returns while the
+            transition runs (0: not added; the closed loop still measures it). The trained function is a frozen copy
+            of the model taken at the transition's start (blend 0), run on the inputs of each ``self(...)`` call in
+            ``training_step``, in the model's mode and with the same random numbers (the same dropout masks: at
+            blend 0 the term is exactly 0); its output's predictions (a tensor, ``logits``, or a tuple's first element)
+            are compared over the last dimension. It costs a copy of the weights and one forward of it per training
+            forward, during the transition only, and its weights go into the transition's checkpoints. Under manual
+            optimisation, a sharded strategy (FSDP, ModelParallelStrategy) or an output without predictions it can't
+            run, and a warning says so (the closed loop then ramps at the budget's pace, without a tolerance).
     """
 
     steps: int
