@@ -7,8 +7,10 @@ ModelParallelStrategy). `LNPlacement` therefore does its work as a Callback (`se
 `configure_model`, checkpoint restore and `configure_optimizers` on every strategy). Nothing in the
 Trainer turns a plugin into a callback, with a spawn launcher the main process never runs any hook at all,
 and no hook runs between a LightningModule's `configure_model` and the checkpoint restore after it, so two
-functions of `lightning.pytorch.trainer.call` are wrapped, process-wide, once (:func:`install`, called when
-an `LNPlacement` is built; the monitors in `ln_lightning.callbacks` need none of this):
+functions of `lightning.pytorch.trainer.call` are wrapped, process-wide, once (:func:`install`, called once
+where `ln_lightning.plugin` is imported, never by a constructor; :func:`uninstall` undoes it, after which an
+`LNPlacement` refuses to be built rather than be ignored; the monitors in `ln_lightning.callbacks` need none of
+this):
 
 * `_call_and_handle_interrupt`, the funnel that `fit`, `validate`, `test` and `predict` pass through in the
   main process before any process is launched. For a Trainer that holds an `LNPlacement` (as a plugin or a
@@ -170,3 +172,22 @@ def install() -> None:
 
         setattr(_call_configure_model, _MARK, True)
         _call._call_configure_model = _call_configure_model
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: Lightning's own functions again (idempotent). A Trainer holding an `LNPlacement`
+    would then never call it, so `LNPlacement` refuses to be built until :func:`install` runs again."""
+    for name in ("_call_and_handle_interrupt", "_call_configure_model"):
+        fn = getattr(_call, name)
+        if getattr(fn, _MARK, False):
+            setattr(_call, name, fn.__wrapped__)
+
+
+def check_installed() -> None:
+    """Raise RuntimeError when the patch is not in place (uninstalled): the plugin would silently not apply."""
+    if not is_installed():
+        raise RuntimeError(
+            "LNPlacement needs ln_lightning's Lightning patch (ln_lightning._lightning_patch), which was uninstalled "
+            "in this process: a Trainer would never call the plugin, and the model would train unchanged. Call "
+            "ln_lightning._lightning_patch.install() again before building LNPlacement."
+        )

@@ -55,6 +55,11 @@ from ln_lightning.placement.transition_control import endpoint_step
 
 log = logging.getLogger(__name__)
 
+if _lightning_patch.lightning_version_supported():
+    # The one place the process-wide patch is installed (undone by _lightning_patch.uninstall()); outside the tested
+    # Lightning range LNPlacement() raises, naming the alternative.
+    _lightning_patch.install()
+
 REPORT_FILENAME = "ln_placement_report.json"
 
 # Strategies under which the rewrite is tested to take effect before checkpoint restore and optimizers.
@@ -226,7 +231,7 @@ class LNPlacement(LayerSync, Callback):
         if self.stream_scaled:
             branch_scale = "stream"
         self.transition = spec
-        _lightning_patch.install()
+        _lightning_patch.check_installed()
         self.placement = placement
         self.mix_post_blocks = mix_post_blocks
         self.final_norm = final_norm

@@ -93,6 +93,23 @@ def test_patch_is_idempotent_and_inactive_without_lnplacement(tmp_path):
     assert LNPlacement.applied_config(model) is None and not any(MARKER in k for k in model.state_dict())
 
 
+def test_patch_is_installed_by_the_import_not_the_constructor_and_can_be_undone():
+    from lightning.pytorch.trainer import call
+
+    assert _lightning_patch.is_installed()  # importing ln_lightning.plugin installed it
+    wrapped = call._call_and_handle_interrupt
+    _lightning_patch.uninstall()
+    try:
+        assert call._call_and_handle_interrupt is wrapped.__wrapped__ and not _lightning_patch.is_installed()
+        assert not getattr(call._call_configure_model, "__ln_lightning_patched__", False)
+        with pytest.raises(RuntimeError, match="patch.*uninstalled.*install\\(\\) again"):
+            LNPlacement()  # a plugin the Trainer would never call: refused, not silently ignored
+    finally:
+        _lightning_patch.install()
+    assert _lightning_patch.is_installed()
+    LNPlacement()
+
+
 def test_version_guard():
     # exactly what CI tests: the latest 2.5.x and 2.6.x (.ci/run)
     assert _lightning_patch.lightning_version_supported("2.6.6")
