@@ -645,35 +645,32 @@ class LNPlacement(LayerSync, Callback):
         if a is None or a >= 1.0:
             return a
         steps = state.transition.steps
+        need = run.pace.update(done, a)  # the budget the recent pace needs (None: the blend has stopped moving)
         if done >= steps:
             run.over_budget = True
             self._warn_over_budget(trainer, t, a)
-        elif not run.warned_pace and done >= steps // 2:
-            need = _budget_needed(done, a)
-            if need > steps:
-                run.warned_pace = True
-                if trainer.is_global_zero:
-                    warn(f"LNPlacement: at step {done} of its {steps}-step budget the closed-loop transition to "
-                         f"{self.placement}-norm has reached blend {a:.3g} (the drift from the trained function held it at "
-                         f"tolerance {spec.tolerance:g}); at this pace it needs about {need} steps. It will stop where it "
-                         f"stands at the budget's end, not finish. Give it TransitionSpec(steps={need}), or a larger "
-                         "tolerance if that drift is acceptable.")
+        elif not run.warned_pace and done >= steps // 4 and (need is None or need > steps):
+            run.warned_pace = True
+            if trainer.is_global_zero:
+                warn(f"LNPlacement: at step {done} of its {steps}-step budget the closed-loop transition to "
+                     f"{self.placement}-norm stands at blend {a:.3g}: {_pace_words(need, run.pace, spec.tolerance)}. Unless "
+                     "that changes it will stop where it stands at the budget's end, not finish.")
         return a
 
     def _warn_over_budget(self, trainer: Trainer, t, a: float) -> None:
         run, spec = self._run, self.transition
+        need = None if run is None else run.pace.update(t.host_steps, a)
         if run is not None:
             run.over_budget = True
             run.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
-                              "tolerance": spec.tolerance, "budget_needed": _budget_needed(t.host_steps, a)}
+                              "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": run.pace.still_since}
         if trainer.is_global_zero:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
-                 f"blend {a:.4g}: the drift from the trained function stayed above tolerance {spec.tolerance:g} too often "
-                 f"to go further. The model stays at that blend (it computes it, not yet the {self.placement}-norm "
-                 f"rewrite; its checkpoints load back into it). At this pace it needs about "
-                 f"{_budget_needed(t.host_steps, a)} steps: continue with LNPlacement(..., "
-                 f"transition=TransitionSpec(steps={_budget_needed(t.host_steps, a)}, tolerance={spec.tolerance:g})), or "
-                 "accept more drift with a larger tolerance.")
+                 f"blend {a:.4g} (drift tolerance {spec.tolerance:g}); {_pace_words(need, run.pace if run else None, spec.tolerance)}. "
+                 f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
+                 "load back into it), and the fit goes on there. Continue with a larger budget, "
+                 f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g})), "
+                 "or accept more drift with a larger tolerance.")
 
     @staticmethod
     def _warn_no_distillation(trainer: Trainer, reason: str, t=None) -> None:
@@ -850,9 +847,32 @@ def _spec_for(t) -> str:
     return f"TransitionSpec(steps={t.steps}, tolerance=None" + (f", schedule={t.kind!r})" if t.kind != "linear" else ")")
 
 
-def _budget_needed(done: int, blend: float) -> int:
-    """The steps a closed loop that reached `blend` in `done` steps needs to reach 1 at the same pace."""
-    return int(math.ceil(done / blend)) if blend > 0 else 2 * max(1, done)
+class _Pace:
+    """How fast a closed loop's blend moves, from the host's reads of it (logging steps, the budget's end): the
+    budget it needs at its recent pace, which a stall (the drift holding it) makes None."""
+
+    def __init__(self):
+        self.reads: list[tuple[int, float]] = [(0, 0.0)]
+        self.still_since: int | None = None  # the step from which the blend has not moved
+
+    def update(self, done: int, blend: float) -> int | None:
+        if done > self.reads[-1][0]:
+            self.reads.append((done, blend))
+        (d0, a0), (d1, a1) = self.reads[-2] if len(self.reads) > 1 else (0, 0.0), self.reads[-1]
+        if a1 > a0:
+            self.still_since = None
+            return int(math.ceil(d1 + (1.0 - a1) * (d1 - d0) / (a1 - a0)))
+        if self.still_since is None:
+            self.still_since = d0
+        return None
+
+
+def _pace_words(need: int | None, pace: _Pace | None, tolerance: float) -> str:
+    if need is not None:
+        return f"at its recent pace it needs about {need} steps in all"
+    since = "" if pace is None or pace.still_since is None else f" since step {pace.still_since}"
+    return (f"the blend has not moved{since}: the drift from the trained function stays above the tolerance "
+            f"({tolerance:g}) faster than training brings it back")
 
 
 class _Run:
@@ -870,7 +890,8 @@ class _Run:
         self.report_at_fit_start = False  # the fit's report is logged at on_fit_start, on the weights it trains
         self.endpoint = False  # the current optimizer step trains at blend 1
         self.over_budget = False  # a closed loop spent its budget short of blend 1 (it holds the blend it reached)
-        self.warned_pace = False  # ... and said, past half its budget, that it would
+        self.warned_pace = False  # ... and said, past a quarter of its budget, that it would
+        self.pace = _Pace()  # its blend as read, for that
         self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
         self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
