@@ -861,7 +861,7 @@ class _Pace:
         (d0, a0), (d1, a1) = self.reads[-2] if len(self.reads) > 1 else (0, 0.0), self.reads[-1]
         if a1 > a0:
             self.still_since = None
-            return int(math.ceil(d1 + (1.0 - a1) * (d1 - d0) / (a1 - a0)))
+            return int(math.ceil(d1 + (1.0 - a1) * (d1 - d0) / (a1 - a0) - 1e-6))  # (- 1e-6: float noise)
         if self.still_since is None:
             self.still_since = d0
         return None
