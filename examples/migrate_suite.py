@@ -1,0 +1,581 @@
+"""The migration suite (issue 31): six post-norm models of different kinds, each pretrained here until its held-out
+loss is flat, each continued from its plain Lightning checkpoint in every migration arm, within the compute of
+continuing unchanged.
+
+The models (examples/migrate_suite/suite_models.py), and the split, fixed before any method was tuned:
+  TUNING half (methods may be chosen on these):  charlm, bert_mlm, encoder_cls;
+  HELD-OUT half (reported untouched):            deep_dropout_lm, bart_denoise, xt_decoder.
+
+1. Pretrain each model once per seed (no ln_lightning), warmup then a cosine decay of the learning rate to a floor,
+   and save its Lightning checkpoint in --out (later runs reuse it). "Flat": the mean held-out loss over the last
+   10% of pretraining is within FLAT_TOL of its mean over the 10% before.
+2. Continue the checkpoint (`fit(ckpt_path=...)`: weights, AdamW state, the schedule at its floor, the step count)
+   in every arm of ARMS at each budget B (optimizer steps of continuing unchanged), with the same continuation
+   seed in every arm (same batches, checksummed; masks keyed by the step). Compute: a forward 1 unit, a backward
+   2, the distillation teacher's forward 1; every arm stops before it would exceed the unchanged run's 3 x B.
+3. Every `eval_every` steps, before that step's update, the held-out loss at the blend the model holds. The goal
+   (issue 31), per arm against the unchanged run of the same model, budget and seed:
+     worst held-out excess over the pre-switch loss <= max(0.03, 2 x unchanged's own worst excess);
+     final held-out loss - unchanged's final <= max(0.02, 2 x unchanged's own worst excess);
+     compute units <= unchanged's.
+
+Run:
+    python examples/migrate_suite.py                   # every model, both budgets, 1 seed, two runs at a time
+    python examples/migrate_suite.py --quick           # tiny models, few steps, in-process (<= 90 s)
+    python examples/migrate_suite.py --models charlm --arms unchanged default --budgets 300
+    python examples/migrate_suite.py --report-only     # rebuild results.json / results.md from runs/
+
+Writes into --out (default outputs/migrate_suite): results.json, results.md, runs/ (one JSON per run),
+pretrain/<model>_seed<s>.ckpt, logs/ (one log per run, full mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FLAT_TOL = 0.01
+GOAL_EXCESS, GOAL_FINAL = 0.03, 0.02
+CONT_SEED = 100  # the continuation of seed s runs with seed CONT_SEED + s (the same data order in every arm)
+UNITS_FWD, UNITS_BWD = 1, 2
+
+# The split, fixed before any method was tuned (recorded in results.json with the commit that added it).
+HALVES = {"tuning": ("charlm", "bert_mlm", "encoder_cls"), "held-out": ("deep_dropout_lm", "bart_denoise", "xt_decoder")}
+
+# The order in which methods were tried, and on which half each was chosen (appended as methods are tried).
+METHODS_TRIED = [
+    {"order": 1, "arms": ["unchanged", "hard", "default", "default_long"], "on": "every model (both halves)",
+     "note": "baselines, untuned: no plugin; a hard switch; the plugin's default transition as the guide says to run it "
+             "(transition_steps = 1/3 of the budget), and with 0.6 of the budget"},
+]
+
+
+def _plugin(placement="pre", **kw):
+    from ln_lightning import LNPlacement
+
+    return LNPlacement(placement, resume_unconverted=True, log_report=False, **kw)
+
+
+# name -> (description, function of the budget B returning the LNPlacement, or None for no plugin)
+ARMS = {
+    "unchanged": ("plain post-norm, no plugin", lambda B: None),
+    "hard": ('LNPlacement("pre", resume_unconverted=True): pre-norm from the first step', lambda B: _plugin()),
+    "default": ('LNPlacement("pre", transition_steps=B/3, resume_unconverted=True): the default transition',
+                lambda B: _plugin(transition_steps=max(1, B // 3))),
+    "default_long": ('LNPlacement("pre", transition_steps=0.6 B, resume_unconverted=True)',
+                     lambda B: _plugin(transition_steps=max(1, round(0.6 * B)))),
+}
+
+
+def _closed(fraction: float, tolerance: float):
+    """The closed loop (TransitionSpec's default kind) with a budget of `fraction` x B steps and `tolerance` nats."""
+
+    def build(B):
+        from ln_lightning import TransitionSpec
+
+        return _plugin(transition=TransitionSpec(steps=max(1, round(fraction * B)), tolerance=tolerance))
+
+    return build
+
+
+for _f, _fname in ((1 / 3, "S0.33"), (0.6, "S0.6")):
+    for _t in (0.02, 0.05):
+        ARMS[f"closed_{_fname}_t{_t}"] = (f'LNPlacement("pre", transition=TransitionSpec(steps={_fname[1:]} B, tolerance={_t}), '
+                                          f"resume_unconverted=True): the closed loop", _closed(_f, _t))
+
+
+def _suite():
+    """examples/migrate_suite/suite_models.py (a folder beside this script, put on the path by the script only)."""
+    d = str(HERE / "migrate_suite")
+    if d not in sys.path:
+        sys.path.insert(0, d)
+    import suite_models
+
+    return suite_models
+
+
+def teacher_in_transition(plugin) -> bool:
+    """Whether the plugin runs a teacher forward in every step of its transition: its distillation (weight > 0), or
+    a closed loop, which measures the drift with it whatever the weight."""
+    if plugin is None:
+        return False
+    spec = getattr(plugin, "transition", None)
+    if spec is not None and hasattr(spec, "distill"):
+        return spec.distill > 0 or getattr(spec, "tolerance", None) is not None
+    return getattr(plugin, "transition_distill", 0) > 0
+
+
+def run_name(model: str, arm: str, budget: int | None, seed: int) -> str:
+    return f"{model}_pretrain_seed{seed}" if arm == "pretrain" else f"{model}_{arm}_B{budget}_seed{seed}"
+
+
+def git_commit_of(path: Path) -> str | None:
+    """The commit that added `path` (the split's), or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%h %cI", "--", str(path)], cwd=HERE, capture_output=True,
+                             text=True, timeout=20).stdout.strip().splitlines()
+        return out[-1] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------ one run
+
+
+def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict, out: Path) -> dict:
+    """Pretrain (arm "pretrain") or continue one arm at one budget; returns what the report reads."""
+    import logging
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loggers import Logger
+
+    from ln_lightning.placement import transition
+
+    sm = _suite()
+    m = sm.SUITE[model_name]
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    t_wall0 = time.time()
+
+    class Memory(Logger):
+        """What the plugin logs (ln_placement/*), in memory."""
+
+        def __init__(self):
+            super().__init__()
+            self.rows: dict[str, list[tuple[int, float]]] = {}
+
+        name = property(lambda self: "memory")
+        version = property(lambda self: 0)
+
+        def log_metrics(self, metrics, step=None):
+            for k, v in metrics.items():
+                if k.startswith("ln_placement/"):
+                    self.rows.setdefault(k, []).append((int(step if step is not None else -1), float(v)))
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+    eval_b = sm.eval_batches(m, hp)
+
+    class Probe(Callback):
+        """Per step: the training loss, a batch checksum, the blend the model holds, the compute spent; every
+        eval_every steps (and at the end) the held-out loss before that step's update, at the held blend. Stops the
+        fit before a step would take the run past its compute budget."""
+
+        def __init__(self, budget_units: float | None, plugin):
+            self.budget_units, self.plugin = budget_units, plugin
+            self.loss, self.batch_sum, self.blend, self.evals, self.teacher = [], [], [], [], []
+            self.start, self.units = None, 0.0
+
+        def _teacher_runs(self, pl_module) -> bool:
+            return teacher_in_transition(self.plugin) and transition.active(pl_module) is not None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step = trainer.global_step
+            if self.start is None:
+                self.start = step
+            self.batch_sum.append(int(batch[0].sum()))
+            t = transition.active(pl_module)
+            trains_at = None if t is None else t.blend.clone()
+            if t is not None:
+                t.hold()  # an endpoint step trains at blend 1; the model holds the scheduled blend: evaluate that
+            self.blend.append(transition.get_blend(pl_module))
+            if (step - self.start) % hp["eval_every"] == 0:
+                self.evals.append((step, sm.heldout_loss(pl_module, eval_b)))
+            if trains_at is not None:
+                t.blend.copy_(trains_at)
+            teacher = self._teacher_runs(pl_module)
+            self.teacher.append(teacher)
+            self.units += UNITS_FWD + UNITS_BWD + (UNITS_FWD if teacher else 0)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.loss.append(float(pl_module.last_loss))
+            if self.budget_units is not None:
+                nxt = UNITS_FWD + UNITS_BWD + (UNITS_FWD if self._teacher_runs(pl_module) else 0)
+                if self.units + nxt > self.budget_units + 1e-9:
+                    trainer.should_stop = True
+
+        def on_train_end(self, trainer, pl_module):
+            self.evals.append((trainer.global_step, sm.heldout_loss(pl_module, eval_b)))
+            self.final_blend = transition.get_blend(pl_module)
+
+    ckpt = out / "pretrain" / f"{model_name}_seed{seed}.ckpt"
+    plugin, ckpt_path, budget_units = None, None, None
+    if arm == "pretrain":
+        L.seed_everything(seed, verbose=False)
+        max_steps = hp["pretrain"]
+        every = max(1, hp["pretrain"] // 40)
+    else:
+        L.seed_everything(CONT_SEED + seed, verbose=False)
+        plugin = ARMS[arm][1](budget)
+        budget_units = float(budget * (UNITS_FWD + UNITS_BWD))
+        max_steps = hp["pretrain"] + budget
+        ckpt_path = str(ckpt)
+        every = hp["eval_every"]
+    hp = {**hp, "eval_every": every}
+    memory = Memory()
+    probe = Probe(budget_units, plugin)
+    module = m.build(hp)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, gradient_clip_val=1.0, limit_val_batches=0,
+                        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        logger=[memory], log_every_n_steps=1, plugins=[plugin] if plugin is not None else None,
+                        callbacks=[probe], default_root_dir=str(out / "lightning"))
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t_fit = time.time()
+        try:
+            trainer.fit(module, datamodule=sm.SuiteData(m.task, hp), ckpt_path=ckpt_path)
+        except Exception as err:  # a migration that crashes is a finding: recorded, reported, not hidden
+            if arm == "pretrain":
+                raise
+            error = f"{type(err).__name__}: {err}"
+        fit_wall = time.time() - t_fit
+    if arm == "pretrain":
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(str(ckpt))
+    ours = [str(w.message) for w in caught if "ln_lightning" in (w.filename or "") or "LNPlacement" in str(w.message)
+            or "transition" in str(w.message).lower()]
+    dedup = list(dict.fromkeys(ours))
+    return {
+        "model": model_name, "arm": arm, "budget": budget, "seed": seed, "start_step": probe.start, "steps": len(probe.loss),
+        "loss": probe.loss, "batch_sum": probe.batch_sum, "blend": probe.blend, "evals": probe.evals, "teacher_steps": sum(probe.teacher),
+        "units": probe.units, "budget_units": budget_units, "final_blend": getattr(probe, "final_blend", None),
+        "plugin": plugin_settings(plugin),
+        "plugin_logs": memory.rows, "warnings": dedup[:20], "error": error,
+        "params": sum(p.numel() for p in module.parameters()), "fit_wall_s": fit_wall, "wall_s": time.time() - t_wall0,
+        "ln_lightning": ln_lightning_source(),
+    }
+
+
+def plugin_settings(plugin) -> dict | None:
+    """The plugin's transition settings, as the run used them (the older keywords, or a TransitionSpec)."""
+    if plugin is None:
+        return None
+    out = {k: getattr(plugin, k) for k in ("placement", "transition_steps", "transition_distill", "transition_endpoint_fraction")
+           if hasattr(plugin, k)}
+    spec = getattr(plugin, "transition", None)
+    if hasattr(spec, "to_dict"):
+        out["transition"] = spec.to_dict()
+    return out
+
+
+def ln_lightning_source() -> str:
+    """Which ln_lightning ran: its folder, and the commit (a checkout's HEAD, with "+ local changes" where its
+    ln_lightning/ differs; or the SNAPSHOT_COMMIT file beside an exported copy)."""
+    import ln_lightning
+
+    root = Path(ln_lightning.__file__).resolve().parents[1]
+    snap = root / "SNAPSHOT_COMMIT"
+    if snap.exists():
+        return f"{root} (export of commit {snap.read_text().strip()})"
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=20).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ln_lightning"], cwd=root, capture_output=True, text=True,
+                               timeout=20).stdout.strip()
+        return f"{root} (commit {head}{' + local changes' if dirty else ''})"
+    except (OSError, subprocess.SubprocessError):
+        return str(root)
+
+
+# ------------------------------------------------------------------------------------------ analysis
+
+
+def _mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def analyse_pretrain(r: dict) -> dict:
+    ev = [v for _, v in r["evals"]]
+    k = max(1, len(ev) // 10)
+    last, before = _mean(ev[-k:]), _mean(ev[-2 * k:-k])
+    return {"steps": r["steps"], "eval_end": ev[-1], "eval_first": ev[0], "last10": last, "prev10": before,
+            "flat_rel": abs(last - before) / before, "flat": abs(last - before) <= FLAT_TOL * before,
+            "params": r["params"], "wall_s": r["wall_s"], "ms_step": 1000 * r["fit_wall_s"] / max(1, r["steps"])}
+
+
+def analyse_arm(r: dict, level: float) -> dict:
+    """Held-out excess over the pre-switch loss (the held-out loss at the end of pretraining). The eval at the switch
+    (step 0) counts: a hard switch's jump is part of its path."""
+    evals = [(s - r["start_step"], v) for s, v in r["evals"]] if r["evals"] else []
+    if not evals:
+        return {"error": r.get("error") or "no evaluation", "units": r["units"]}
+    i_peak = max(range(len(evals)), key=lambda i: evals[i][1])
+    blend = [b for b in r["blend"]]
+    end = next((i for i, b in enumerate(blend) if b is None), None) if r["arm"] != "unchanged" else None
+    return {
+        "at_switch": evals[0][1], "worst_excess": evals[i_peak][1] - level, "worst_step": evals[i_peak][0],
+        "final": evals[-1][1], "steps": r["steps"], "units": r["units"], "budget_units": r["budget_units"],
+        "teacher_steps": r["teacher_steps"], "transition_end": end if any(b is not None for b in blend) else None,
+        "blend_reached": (1.0 if r["final_blend"] is None else r["final_blend"]) if r["arm"] != "unchanged" else None,
+        "evals": [[s, round(v, 5)] for s, v in evals], "error": r.get("error"), "warnings": r.get("warnings", []),
+        "wall_s": r["wall_s"], "same_batches": None, "ln_lightning": r.get("ln_lightning"),
+        "distill_kl_first": next(iter(v for _, v in r.get("plugin_logs", {}).get("ln_placement/distill_kl", [])), None),
+    }
+
+
+def verdict(a: dict, u: dict) -> dict:
+    """Issue 31's goal for arm `a` against the unchanged run `u` of the same model, budget and seed."""
+    band = max(0.0, u["worst_excess"])
+    tol_excess = max(GOAL_EXCESS, 2 * band)
+    tol_final = max(GOAL_FINAL, 2 * band)
+    if a.get("error") or "final" not in a:
+        return {"ok": False, "why": f"failed: {a.get('error')}", "tol_excess": tol_excess, "tol_final": tol_final}
+    d_final = a["final"] - u["final"]
+    checks = {"excess": a["worst_excess"] <= tol_excess, "final": d_final <= tol_final, "compute": a["units"] <= u["units"] + 1e-9,
+              # a transition that stays short of blend 1 has not migrated the model (the closed loop may stop there)
+              "finished": a.get("blend_reached") in (None, 1.0)}
+    why = [w for w, ok in checks.items() if not ok]
+    return {"ok": all(checks.values()), "why": ", ".join(why) if why else "meets the goal", "tol_excess": tol_excess,
+            "tol_final": tol_final, "final_minus_unchanged": d_final, **{f"{k}_ok": v for k, v in checks.items()}}
+
+
+def analyse(raw: dict, models: list[str], seeds: list[int], budgets_of: dict) -> dict:
+    """Everything results.json holds about the runs."""
+    pre, runs = {}, []
+    for name in models:
+        for s in seeds:
+            r = raw.get((name, "pretrain", None, s))
+            if r is None:
+                continue
+            pa = analyse_pretrain(r)
+            pre[f"{name}_seed{s}"] = pa
+            for B in budgets_of[name]:
+                u_raw = raw.get((name, "unchanged", B, s))
+                u = analyse_arm(u_raw, pa["eval_end"]) if u_raw else None
+                for arm in ARMS:
+                    ar = raw.get((name, arm, B, s))
+                    if ar is None:
+                        continue
+                    a = analyse_arm(ar, pa["eval_end"])
+                    if u_raw is not None:
+                        n = min(len(ar["batch_sum"]), len(u_raw["batch_sum"]))
+                        a["same_batches"] = ar["batch_sum"][:n] == u_raw["batch_sum"][:n]
+                    row = {"model": name, "half": half_of(name), "budget": B, "seed": s, "arm": arm, **a}
+                    if arm != "unchanged" and u is not None and "final" in u:
+                        row["verdict"] = verdict(a, u)
+                    runs.append(row)
+    return {"pretrain": pre, "runs": runs}
+
+
+def half_of(name: str) -> str:
+    return next(h for h, ms in HALVES.items() if name in ms)
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def render_markdown(res: dict) -> str:
+    """results.md, from results.json alone (the docs build renders the same)."""
+    L = ["# Migration suite (issue 31)", ""]
+    L.append(f"Split fixed at {res['split']['fixed_at']}, before tuning: TUNING half {', '.join(res['split']['tuning'])}; "
+             f"HELD-OUT half {', '.join(res['split']['held-out'])} (reported untouched: no method was chosen on them).")
+    L.append("")
+    L.append("Order in which methods were tried:")
+    L.append("")
+    for m in res["methods_tried"]:
+        L.append(f"{m['order']}. {', '.join(m['arms'])} — on {m['on']}: {m['note']}")
+    L += ["", "## The models", "",
+          "| model | half | what | params | pretraining steps | held-out loss at the switch | flat (last 10% vs the 10% before) | ms/step |",
+          "|---|---|---|---|---|---|---|---|"]
+    for key, p in res["pretrain"].items():
+        name = key.rsplit("_seed", 1)[0]
+        info = res["models"][name]
+        L.append(f"| {key} | {info['half']} | {info['kind']} | {p['params']:,} | {p['steps']} | {p['eval_end']:.4f} | "
+                 f"{p['flat_rel'] * 100:.2f}% ({'flat' if p['flat'] else 'NOT flat'}) | {p['ms_step']:.0f} |")
+    L += ["", "Arms:", ""]
+    for a, d in res["arms"].items():
+        L.append(f"- `{a}`: {d}")
+    L += ["", "## Arms x models", "",
+          "Worst excess: the highest held-out loss over the run (the switch included) minus the loss before the switch. "
+          "Final - unchanged: the held-out loss at the end minus continuing unchanged's. Compute: units (forward 1, "
+          "backward 2, teacher forward 1) against the unchanged run's. Goal: worst excess <= max(0.03, 2 x unchanged's "
+          "worst), final - unchanged <= max(0.02, 2 x unchanged's worst), compute <= unchanged's.", "",
+          "| model | half | budget | seed | arm | at switch | worst excess (step) | final | final - unchanged | compute | "
+          "transition end | blend reached | wall s | verdict |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        if "final" not in r:
+            L.append(f"| {r['model']} | {r['half']} | {r['budget']} | {r['seed']} | {r['arm']} | | | | | {r.get('units', 0):.0f} | | | | "
+                     f"FAILED: {r.get('error')} |")
+            continue
+        v = r.get("verdict")
+        vtxt = "—" if v is None else ("meets" if v["ok"] else f"fails ({v['why']})")
+        dfin = "" if v is None or "final_minus_unchanged" not in v else f"{v['final_minus_unchanged']:+.4f}"
+        te = "" if r["transition_end"] is None else str(r["transition_end"])
+        br = "" if r["blend_reached"] is None else f"{r['blend_reached']:.3f}"
+        L.append(f"| {r['model']} | {r['half']} | {r['budget']} | {r['seed']} | {r['arm']} | {r['at_switch']:.4f} | "
+                 f"{r['worst_excess']:+.4f} ({r['worst_step']}) | {r['final']:.4f} | {dfin} | {r['units']:.0f} / "
+                 f"{r['budget_units']:.0f} | {te} | {br} | {r['wall_s']:.0f} | {vtxt} |")
+    L += ["", "## Verdicts", ""]
+    for arm in [a for a in res["arms"] if a != "unchanged"]:
+        rows = [r for r in res["runs"] if r["arm"] == arm and r.get("verdict") is not None]
+        if not rows:
+            continue
+        ok = [r for r in rows if r["verdict"]["ok"]]
+        bad = [f"{r['model']} B{r['budget']} s{r['seed']} ({r['verdict']['why']})" for r in rows if not r["verdict"]["ok"]]
+        L.append(f"- `{arm}`: meets the goal in {len(ok)} of {len(rows)} runs" + (f"; fails on {'; '.join(bad)}." if bad else "."))
+    kl0 = [r for r in res["runs"] if r.get("distill_kl_first") is not None]
+    if kl0:
+        L += ["", "The distillation term at the transition's first logged step (0 where teacher and student agree): "
+              + ", ".join(f"{r['model']} {r['arm']} B{r['budget']} {r['distill_kl_first']:.2g}" for r in kl0) + "."]
+    notes = [(r, w) for r in res["runs"] for w in r.get("warnings", [])]
+    if notes:
+        L += ["", "## Warnings the plugin raised (first of each, per run)", ""]
+        seen = set()
+        for r, w in notes:
+            key = (r["model"], w[:160])
+            if key in seen:
+                continue
+            seen.add(key)
+            L.append(f"- {r['model']} {r['arm']} B{r['budget']}: {w[:400]}")
+    diff = [r for r in res["runs"] if r.get("same_batches") is False]
+    L += ["", f"Same batches as the unchanged run in every arm: {'yes' if not diff else 'NO: ' + ', '.join(r['model'] + ' ' + r['arm'] for r in diff)}."]
+    t = res.get("timing") or {}
+    if t:
+        L.append(f"Wall time {t.get('wall_s', 0):.0f} s, {t.get('jobs')} runs at a time, one thread each.")
+    return "\n".join(L) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny models and few steps, in-process (<= 90 s)")
+    p.add_argument("--out", default="outputs/migrate_suite")
+    p.add_argument("--models", nargs="+", default=None, help="only these models")
+    p.add_argument("--arms", nargs="+", default=None, help="only these arms (the others' runs/ JSON, where present, are reported)")
+    p.add_argument("--budgets", nargs="+", type=int, default=None, help="continuation budgets, in steps of continuing unchanged")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=None, help="runs at a time, each a one-thread subprocess (default 2; quick: 0, in-process)")
+    p.add_argument("--repretrain", action="store_true")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    sm = _suite()
+    for name in args.models or []:
+        if name not in sm.SUITE:
+            raise SystemExit(f"unknown model {name!r}; the models: {', '.join(sm.SUITE)}")
+    for arm in args.arms or []:
+        if arm not in ARMS:
+            raise SystemExit(f"unknown arm {arm!r}; the arms: {', '.join(ARMS)}")
+    models = args.models or list(sm.SUITE)
+    seeds = list(range(args.seeds))
+    hps = {n: sm.SUITE[n].hp(args.quick) for n in sm.SUITE}
+    budgets_of = {n: list(args.budgets or hps[n]["budgets"]) for n in sm.SUITE}
+
+    if args.worker:
+        import torch
+
+        torch.set_num_threads(1)
+        name, arm, B, s = json.loads(args.worker)
+        r = train_one(name, arm, B, s, hps[name], out)
+        (out / "runs" / f"{run_name(name, arm, B, s)}.json").write_text(json.dumps(r))
+        return 0
+
+    jobs = args.jobs if args.jobs is not None else (0 if args.quick else 2)
+    timing = {}
+    if not args.report_only:
+        order = []
+        for name in models:
+            for s in seeds:
+                if args.repretrain or not (out / "pretrain" / f"{name}_seed{s}.ckpt").exists() or not (
+                        out / "runs" / f"{run_name(name, 'pretrain', None, s)}.json").exists():
+                    order.append((name, "pretrain", None, s))
+        for name in models:
+            for B in budgets_of[name]:
+                for s in seeds:
+                    order += [(name, arm, B, s) for arm in (args.arms or ARMS)]
+        timing = run_jobs(order, hps, out, argv, jobs)
+    raw = {}
+    for f in (out / "runs").glob("*.json"):
+        r = json.loads(f.read_text())
+        raw[(r["model"], r["arm"], r["budget"], r["seed"])] = r
+    all_models = [n for n in sm.SUITE if any(k[0] == n for k in raw)]
+    all_seeds = sorted({k[3] for k in raw})
+    res = {
+        "issue": 31, "quick": args.quick,
+        "split": {"fixed_at": git_commit_of(HERE / "migrate_suite" / "suite_models.py") or "(not committed yet)",
+                  **{h: list(ms) for h, ms in HALVES.items()}},
+        "methods_tried": METHODS_TRIED,
+        "models": {n: {"half": half_of(n), "kind": sm.SUITE[n].kind, "arch": {**sm.SUITE[n].arch, **hps[n].get("arch", {})},
+                       "hparams": {k: v for k, v in hps[n].items() if k != "arch"}, "budgets": budgets_of[n]} for n in all_models},
+        "arms": {a: d for a, (d, _) in ARMS.items()},
+        "goal": {"excess": GOAL_EXCESS, "final": GOAL_FINAL, "flat_tol": FLAT_TOL},
+        **analyse(raw, all_models, all_seeds, budgets_of), "timing": timing,
+    }
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    text = render_markdown(json.loads(json.dumps(res)))  # what the docs build renders from the file
+    (out / "results.md").write_text(text)
+    print(text)
+    return 0
+
+
+def run_jobs(order: list[tuple], hps: dict, out: Path, argv: list[str], jobs: int) -> dict:
+    """Run `order` (pretraining before its model's continuations): in-process one after another (jobs=0), or as
+    one-thread subprocesses, `jobs` at a time. A failed run is reported and stops the driver."""
+    t0 = time.time()
+    if jobs == 0:
+        import torch
+
+        torch.set_num_threads(1)
+        for j in order:
+            r = train_one(*j, hps[j[0]], out)
+            (out / "runs" / f"{run_name(*j)}.json").write_text(json.dumps(r))
+            print(f"finished {run_name(*j)} ({time.time() - t0:.0f} s)", flush=True)
+        return {"wall_s": time.time() - t0, "jobs": 0}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    forwarded = [a for a in argv if a != "--report-only"]
+    (out / "logs").mkdir(exist_ok=True)
+    pending, running, failed = list(order), [], []
+    done: set = set()
+    waiting_for = {(j[0], j[3]) for j in order if j[1] == "pretrain"}
+    while pending or running:
+        while len(running) < jobs:
+            ready = [j for j in pending if j[1] == "pretrain" or (j[0], j[3]) not in waiting_for]
+            if not ready:
+                break
+            j = ready[0]
+            pending.remove(j)
+            log = open(out / "logs" / f"{run_name(*j)}.log", "w")
+            cmd = [sys.executable, os.path.abspath(__file__), *forwarded, "--worker", json.dumps(list(j))]
+            running.append((j, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+            print(f"started {run_name(*j)} ({time.time() - t0:.0f} s)", flush=True)
+        time.sleep(1.0)
+        for item in list(running):
+            j, proc, log = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            done.add(j)
+            if j[1] == "pretrain" and proc.returncode == 0:
+                waiting_for.discard((j[0], j[3]))
+            print(f"finished {run_name(*j)}: exit {proc.returncode} ({time.time() - t0:.0f} s)", flush=True)
+            if proc.returncode != 0:
+                failed.append(j)
+                tail = "".join(open(out / "logs" / f"{run_name(*j)}.log").readlines()[-15:])
+                print(f"--- {run_name(*j)}.log (last lines)\n{tail}", flush=True)
+                if j[1] == "pretrain":  # its continuations cannot run
+                    pending = [k for k in pending if (k[0], k[3]) != (j[0], j[3])]
+    if failed:
+        print(f"migrate_suite: run(s) failed: {[run_name(*j) for j in failed]}", flush=True)
+    return {"wall_s": time.time() - t0, "jobs": jobs, "failed": [run_name(*j) for j in failed]}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The migration suite's driver (examples/migrate_suite.py) end to end in its --quick mode, as a user runs it.
+
+Checks what holds by construction, so a broken measurement fails here: every model of both halves is pretrained and
+continued in every arm at both budgets; each transition starts from exactly the trained function (its held-out loss
+at the switch is the unchanged run's, which is the pretraining's last); every arm sees the unchanged run's batches
+and stays within its compute; every migrated arm has a verdict; results.md is the rendering of results.json.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "migrate_suite.py"
+MODELS = {"charlm", "bert_mlm", "encoder_cls", "deep_dropout_lm", "bart_denoise", "xt_decoder"}
+ARMS = {"unchanged", "hard", "default", "default_long", "closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02",
+        "closed_S0.6_t0.05"}
+
+
+def _render(results: dict) -> str:
+    spec = importlib.util.spec_from_file_location("_test_migrate_suite_driver", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.render_markdown(results)
+
+
+@pytest.mark.slow
+def test_migrate_suite_quick(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    env.update(PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    res = json.loads((tmp_path / "results.json").read_text())
+
+    assert set(res["split"]["tuning"]) | set(res["split"]["held-out"]) == MODELS
+    assert not set(res["split"]["tuning"]) & set(res["split"]["held-out"])
+    assert res["split"]["fixed_at"] and res["methods_tried"] and res["methods_tried"][0]["order"] == 1
+    assert set(res["models"]) == MODELS and {m["half"] for m in res["models"].values()} == {"tuning", "held-out"}
+    assert {k.rsplit("_seed", 1)[0] for k in res["pretrain"]} == MODELS
+
+    runs = res["runs"]
+    budgets = {r["budget"] for r in runs}
+    assert len(budgets) == 2
+    assert {(r["model"], r["arm"], r["budget"]) for r in runs} == {(m, a, b) for m in MODELS for a in ARMS for b in budgets}
+    for r in runs:
+        assert not r.get("error"), f"{r['model']} {r['arm']}: {r['error']}"
+        pre = res["pretrain"][f"{r['model']}_seed{r['seed']}"]["eval_end"]
+        unchanged = next(u for u in runs if (u["model"], u["budget"], u["seed"], u["arm"]) == (r["model"], r["budget"], r["seed"], "unchanged"))
+        assert r["same_batches"] is True, f"{r['model']} {r['arm']} trained on other batches than unchanged"
+        assert r["units"] <= unchanged["units"] == r["budget_units"]
+        if r["arm"] == "unchanged":
+            assert r["at_switch"] == pytest.approx(pre, abs=1e-6)  # the continuation starts from the checkpoint
+            assert "verdict" not in r
+        else:
+            v = r["verdict"]
+            assert isinstance(v["ok"], bool) and v["why"] and v["tol_excess"] >= 0.03 and v["tol_final"] >= 0.02
+            assert v["final_minus_unchanged"] == pytest.approx(r["final"] - unchanged["final"])
+            assert 0.0 <= r["blend_reached"] <= 1.0 and v["finished_ok"] == (r["blend_reached"] == 1.0)
+        if r["arm"] in ("default", "default_long") or r["arm"].startswith("closed_"):
+            # blend 0 is the trained function: the held-out loss at the switch is the unchanged run's
+            assert r["at_switch"] == pytest.approx(unchanged["at_switch"], abs=1e-5)
+            assert r["teacher_steps"] > 0 and r["units"] == 3 * r["steps"] + r["teacher_steps"]
+
+    md = (tmp_path / "results.md").read_text()
+    assert md == _render(res)
+    assert "Split fixed at" in md and "HELD-OUT" in md and "|---" in md
