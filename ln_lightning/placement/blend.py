@@ -24,7 +24,10 @@ batch and moves the stream between the two scalings, `D_k = (1-a) + a*C_k`: to p
 `C_k`; to peri the added output norm's gain is `C_k` times the trained branch output's spread and the exit
 writes `(1-a)*D_k*v + (a*D_k/C_k)*N_out(v)`; to output the branch reads `x / D_k` (an `InputScale` at its
 entries), the moved norm at the exit gets that gain, and its call site normalises with the gain and bias it
-had when measured, kept in `Transition.frozen` (buffers) until the blend ends.
+had when measured, kept in `Transition.frozen` (buffers) until the blend ends. A block converted without the scale
+(its branches could take none: `BlockChange.fallback`) keeps its norms as sites with no scale of their own: they are
+measured with the others (the later branches' `C_k` count the division the trained model did there), its entries
+and call sites blend with `D_k` as any site's, and its branches add unscaled (at a = 1 exactly its plain pre-norm form).
 
 `start` switches a converted model into the blend; `finish` removes every piece of it, leaving the model
 exactly as `convert` left it (fused torch layers included), at plain speed. The pieces:

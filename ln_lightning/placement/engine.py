@@ -225,9 +225,11 @@ def convert(
             final norm that convert added.
         branch_scale: None; a float c; "depth" (c = 1/sqrt(2L) for a stack of L blocks); or
             "layerscale" (a learnable per-channel c, initialised to `layerscale_init`, by default
-            CaiT's rule: 0.1 up to 18 blocks, 1e-5 up to 24, 1e-6 deeper).
-        strict: raise PlacementError instead of skipping a block that can't be converted (the model
-            is then left unchanged).
+            CaiT's rule: 0.1 up to 18 blocks, 1e-5 up to 24, 1e-6 deeper). A block whose branches can't take
+            the scale (a branch that ends in a function, not a module call) is converted without it, and its
+            `BlockChange.fallback` says so and why.
+        strict: raise PlacementError instead of skipping a block that can't be converted, or converting one
+            without the branch scale asked for (the model is then left unchanged).
         example_input: optional input for `model(...)` (tensor, tuple of args or dict of kwargs);
             defaults to `model.example_input_array` or a Hugging Face model's `dummy_inputs`. With
             it, blocks are read and checked with their real inputs, shared blocks and final norms
