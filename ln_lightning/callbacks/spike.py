@@ -310,7 +310,7 @@ class SpikeMonitor(MonitorBase):
                 return
             with torch.no_grad():
                 x = args[0].detach().float()
-                stat = x.square().mean(dim=dims) if rms else torch.var(x, dim=dims, correction=0)
+                stat = x.square().mean(dim=dims) if rms else _biased_var(x, dims)
                 slot = self._acts[2 * len(self._block_paths) + index : 2 * len(self._block_paths) + index + 1]
                 torch.maximum(slot, (-stat.amin()).to(slot), out=slot)
 
@@ -514,3 +514,8 @@ def _log_dir(trainer: Trainer) -> str:
     logger = trainer.logger
     path = getattr(logger, "log_dir", None) if logger is not None else None
     return str(path) if path else str(trainer.default_root_dir)
+
+
+def _biased_var(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The biased variance over `dims`, two-pass (``torch.var`` is about 15x slower on CPU for rows of this size)."""
+    return (x - x.mean(dim=dims, keepdim=True)).square().mean(dim=dims)
