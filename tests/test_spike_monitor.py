@@ -361,3 +361,29 @@ def test_bad_arguments_are_refused_with_the_fix():
         SpikeMonitor(on_spike="kill")
     with pytest.raises(ValueError, match="window"):
         SpikeMonitor(window=1)
+
+
+def test_the_guide_s_worked_example_is_what_this_run_records(tmp_path):
+    # docs/guides/monitors.md, "Something went wrong": the records quoted there (rounded) come from this run.
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "monitors.md").read_text(encoding="utf-8")
+    block = text.split("## Something went wrong", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    decoder, quoted, at = json.JSONDecoder(), [], 0
+    while block[at:].strip():
+        at += len(block[at:]) - len(block[at:].lstrip())
+        record, at = decoder.raw_decode(block, at)
+        quoted.append(record)
+    x, y = make_batches(N_STEPS, 2)
+    _, records = fit(tmp_path, SpikeLM(x, y, spike_step=SPIKE_STEP, spike_half=1, spike_block=1), [SpikeMonitor(window=WINDOW, top_groups=3)])
+    assert len(quoted) == len(records)
+
+    def close(a, b):
+        if isinstance(a, float) or isinstance(b, float):
+            return math.isclose(a, b, rel_tol=5e-3, abs_tol=1e-9) or (abs(b) < 1e-4 and math.isclose(a, b, rel_tol=0.05))
+        if isinstance(a, list):
+            return len(a) == len(b) and all(close(u, v) for u, v in zip(a, b))
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+        return a == b
+
+    for q, r in zip(quoted, records):
+        assert close(q, r), (q, r)
