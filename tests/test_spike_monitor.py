@@ -387,3 +387,14 @@ def test_the_guide_s_worked_example_is_what_this_run_records(tmp_path):
 
     for q, r in zip(quoted, records):
         assert close(q, r), (q, r)
+
+
+def test_a_fit_leaves_no_hook_behind_and_a_second_fit_starts_afresh(tmp_path):
+    x, y = make_batches(N_STEPS, 2)
+    monitor = SpikeMonitor(window=WINDOW)
+    module = SpikeLM(x, y, spike_step=SPIKE_STEP, spike_half=1)
+    fit(tmp_path, module, [monitor], name="first")
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules()) == 0
+    # The same monitor on a fresh module: its window starts empty again, so the same spike is found at the same step.
+    _, records = fit(tmp_path, SpikeLM(x, y, spike_step=SPIKE_STEP, spike_half=1), [monitor], name="second")
+    assert min(r["step"] for r in records) == SPIKE_STEP and records[0]["kind"] == "grad_norm"

@@ -7,9 +7,10 @@
 - `SpikeMonitor`: loss and pre-clip gradient-norm spikes, judged on the device every step, each recorded (one
   JSON line) with the groups and blocks it came from; optionally skips the step or checkpoints before it.
 
-All three log at the steps, and under the step numbers, of Lightning's own `self.log` (automatic or manual
+All of them log at the steps, and under the step numbers, of Lightning's own `self.log` (automatic or manual
 optimisation, gradient accumulation, resumed fits), reduce across ranks exactly (sums and counts, then
-divide; min/max), make at most one host synchronisation per logging step each and none on other steps,
+divide; min/max), make at most one host synchronisation per logging step each and none on other steps (SpikeMonitor: one more
+at the end of the fit; with an `on_spike` action, one per step),
 leave no hook or state behind when a fit ends or fails, and add a shared TensorBoard custom-scalars layout
 (`ln_lightning.callbacks.dashboard`). They need neither `LNPlacement` nor its Trainer patch.
 """
