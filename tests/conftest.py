@@ -25,8 +25,11 @@ import pytest
 import torch
 
 # One intra-op thread: the tests' tensors are tiny, and on a busy 2-core machine OpenMP's waiting
-# threads cost more than the work (the quick run at load average 5: 2 min 36 s with two threads, 47 s
-# with one). Tests that need several threads set them (the CPU kernels' thread-count determinism tests).
+# threads cost more than the work. Measured (issue 32, 811 tests, the compiled-kernel cache built): the
+# quick run took 124 s wall at load average 5.5-6 (62 s of CPU, 11 s of it collecting), so about a
+# minute on an idle machine; the first run in a new checkout adds the kernels' build (about 50 s each,
+# the cache's build files name the source path). Tests that need several threads set them (the CPU
+# kernels' thread-count determinism tests).
 torch.set_num_threads(1)
 
 # CI (CI=true) runs the property tests on hypothesis' fixed, derandomized examples, so a run's result is
