@@ -69,6 +69,9 @@ class _ScaledSite:
     def blend(self) -> torch.Tensor:  # the call site's normalisation weighs 1 - b (what the monitors read)
         return self.own.blend
 
+    def a(self, like):  # the blend a deferred norm's call site weighs its normalisation by (hooks.DeferredNorm)
+        return self.own.a(like)
+
     def call_site(self, h, y, norm=None):
         a, b = self.t.a(h), self.own.a(h)
         return (1 - b) * (_scale(a, self.stream_scale.to(h.dtype)) * y) + b * h

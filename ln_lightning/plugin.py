@@ -89,6 +89,8 @@ def _transition_spec(transition: Any, deprecated: dict) -> TransitionSpec | None
     unknown = sorted(set(deprecated) - set(_DEPRECATED))
     if unknown:
         raise TypeError(f"LNPlacement() got an unexpected keyword argument {unknown[0]!r}")
+    if deprecated.get("transition_steps", 0) is None:  # transition_steps=None, the old default: no transition
+        del deprecated["transition_steps"]
     if not deprecated:
         return TransitionSpec.coerce(transition)
     if transition is not None:
