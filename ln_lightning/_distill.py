@@ -35,8 +35,13 @@ _TEACHER = "_ln_lightning_teacher"  # on the model's Transition while it runs
 class Distillation:
     """One transition's distillation in one Trainer call (built by LNPlacement at the first training batch)."""
 
-    def __init__(self, weight: float):
+    def __init__(self, weight: float, reference: str = "trained"):
         self.weight = weight
+        # "trained": a frozen copy of the model at the transition's start. "current": the model itself, pinned at
+        # blend 0 (the function as written with the weights it has now): what the blend changes, not what training
+        # has learnt since (a copy's KL grows with that too).
+        self.live = reference == "current"
+        self._in_reference = False
         self.teacher: torch.nn.Module | None = None
         self.saved_state: dict | None = None  # the teacher of the checkpoint this run resumed from
         self.off_reason: str | None = None
@@ -64,7 +69,9 @@ class Distillation:
         t = blend.active(pl_module)
         # An earlier fit's teacher, on this model: unless the checkpoint this run resumed from brought its own.
         teacher = t.__dict__.get(_TEACHER) if t is not None and self.saved_state is None else None
-        if teacher is None:
+        if self.live:
+            teacher = pl_module
+        elif teacher is None:
             if steps_done > 0 and self.saved_state is None:
                 return ("the transition is past its start and neither the model nor the checkpoint holds its teacher "
                         "(written without distillation): the trained function it started from is not there")
@@ -79,7 +86,7 @@ class Distillation:
             # towards the same function; it goes when the transition ends.
             t.__dict__[_TEACHER] = teacher
         device = next((p.device for p in pl_module.parameters()), None)
-        if device is not None:
+        if device is not None and not self.live:
             teacher.to(device)  # (kept on the CPU between fits)
         self.teacher, self.saved_state, self._module, self._transition = teacher, None, pl_module, t
         self._handle = pl_module.register_forward_hook(self._on_forward, with_kwargs=True)
@@ -108,7 +115,7 @@ class Distillation:
         if self._module is not None and self._module.__dict__.get(_STEP) is self._wrapper:
             del self._module.__dict__[_STEP]
         t = self._transition
-        if t is not None:
+        if t is not None and not self.live:
             if keep and self.off_reason is None and self.teacher is not None:
                 self.teacher.to("cpu")
             else:
@@ -117,7 +124,7 @@ class Distillation:
 
     def checkpoint_state(self) -> dict | None:
         # The teacher is frozen: its tensors as they are (torch.save copies them), no second copy on the device.
-        return None if self.teacher is None else dict(self.teacher.state_dict())
+        return None if self.teacher is None or self.live else dict(self.teacher.state_dict())
 
     def take_drift(self) -> torch.Tensor | None:
         """The mean KL(trained || model) of this optimizer step's training forwards (a 0-dim device tensor, detached;
@@ -129,7 +136,7 @@ class Distillation:
     def _before_forward(self, module, args):
         # The teacher draws the same dropout masks (and any other random numbers) as this forward: it starts from
         # the same random state. Host-side generator state: no device synchronisation.
-        if self.teacher is None or not self._in_step or not module.training:
+        if self.teacher is None or not self._in_step or not module.training or self._in_reference:
             return None
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         cuda = device if device.type == "cuda" else None
@@ -143,19 +150,25 @@ class Distillation:
         if teacher.training != module.training:
             teacher.train(module.training)
         rng, self._rng = self._rng, None
-        if rng is None:
-            return trained_output(teacher, *args, **kwargs)
-        cpu_state, cuda, cuda_state = rng
-        with torch.random.fork_rng(devices=[cuda] if cuda is not None else []):
-            torch.set_rng_state(cpu_state)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda_state, cuda)
-            return trained_output(teacher, *args, **kwargs)
+        with torch.random.fork_rng(devices=[rng[1]] if rng is not None and rng[1] is not None else [], enabled=rng is not None):
+            if rng is not None:
+                cpu_state, cuda, cuda_state = rng
+                torch.set_rng_state(cpu_state)
+                if cuda is not None:
+                    torch.cuda.set_rng_state(cuda_state, cuda)
+            if not self.live:
+                return trained_output(teacher, *args, **kwargs)
+            self._in_reference = True
+            try:
+                with torch.no_grad(), self._transition.pinned(0.0):
+                    return teacher(*args, **kwargs)
+            finally:
+                self._in_reference = False
 
     def _on_forward(self, module, args, kwargs, output):
         # Only the module's calls inside training_step: under DDP, Lightning also calls the module itself with
         # training_step's arguments (its forward redirected to training_step), whose hook fires after it returned.
-        if (self.teacher is None or not self._in_step or not module.training or not torch.is_grad_enabled()
+        if (self.teacher is None or self._in_reference or not self._in_step or not module.training or not torch.is_grad_enabled()
                 or torch._C._current_graph_task_id() != -1):
             return None
         student = logits_of(output)

@@ -552,7 +552,7 @@ class LNPlacement(LayerSync, Callback):
             self._warn_over_budget(trainer, t, float(t.blend))
         if spec.distill <= 0 and not t.closed:
             return
-        run.distill = Distillation(spec.distill)
+        run.distill = Distillation(spec.distill, spec.reference)
         run.distill.saved_state = run.teacher_state
         reason = run.distill.start(trainer, pl_module, t.host_steps)
         if reason is not None:

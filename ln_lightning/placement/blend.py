@@ -47,6 +47,7 @@ Who starts and ends a transition, and what it means for checkpoints, is the rewr
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable
 
@@ -223,8 +224,21 @@ class Transition(nn.Module):
         self.drift.copy_(smoothed)
         self.blend.copy_(torch.clamp(self.blend + rate * (smoothed <= tolerance).to(self.blend), max=1.0))
 
+    @contextlib.contextmanager
+    def pinned(self, value: float):
+        """Inside, every forward computes blend `value` (0: the function as written, with the weights as they are
+        now), whatever the buffer holds: the closed loop's reference pass (TransitionSpec(reference="current"))."""
+        old, self._pin = self.__dict__.get("_pin"), float(value)
+        try:
+            yield
+        finally:
+            self._pin = old
+
     def a(self, like: torch.Tensor) -> torch.Tensor:
         # A 0-dim tensor: no host sync, and a bf16 stream stays bf16.
+        pin = self.__dict__.get("_pin")
+        if pin is not None:
+            return torch.full((), pin, dtype=like.dtype, device=like.device)
         if self._at_end and torch.is_grad_enabled():
             return torch.ones((), dtype=like.dtype, device=like.device)
         return self.blend.to(like.dtype)

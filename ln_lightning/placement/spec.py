@@ -5,7 +5,7 @@ transition with a budget of 600 optimizer steps. The options that only mean some
 here, so they can't be given without one (the old ``transition_*`` keywords of ``LNPlacement`` could, and were
 silently ignored).
 
-The default is the closed loop (``tolerance=0.02``): the blend advances only while the measured drift from the
+The default is the closed loop (``tolerance=0.05``): the blend advances only while the measured drift from the
 trained function (KL(trained || model) on the training batches, smoothed, the same on every rank) stays within the
 tolerance, and ``steps`` is a budget. A model that can't reach the end within it says so (a warning with the blend
 reached and the budget it would need, the report JSON, ``ln_placement/transition``), and stays in the blend it
@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from ln_lightning.placement.blend import MAX_STEPS
 
 OPEN_SCHEDULES = ("linear", "cosine")
+REFERENCES = ("trained", "current")
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,21 @@ class TransitionSpec:
             forward, during the transition only, and its weights go into the transition's checkpoints. Under manual
             optimisation, a sharded strategy (FSDP, ModelParallelStrategy) or an output without predictions it can't
             run, and a warning says so (the closed loop then ramps at the budget's pace, without a tolerance).
+        reference: what the drift (and the distillation) compares the model with. ``"trained"``: a frozen copy of
+            the model taken at the transition's start, the trained function (a copy of the weights in memory and in
+            the transition's checkpoints). ``"current"``: the model itself at blend 0, with the weights it has now
+            (no copy): the drift is then what the blend changes, not what continued training learns, which a
+            copy's KL also counts and a fixed tolerance then mistakes for the blend's.
     """
 
     steps: int
-    tolerance: float | None = 0.02
+    tolerance: float | None = 0.05
     ramp: float = 0.5
     schedule: str = "linear"
     stream_scale: bool = True
     endpoint_fraction: float = 0.25
     distill: float = 1.0
+    reference: str = "trained"
 
     def __post_init__(self):
         steps = self.steps
@@ -106,6 +113,8 @@ class TransitionSpec:
         w = self.distill
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
             raise ValueError(f"TransitionSpec: distill must be a finite number >= 0 (0: not added to the loss), got {w!r}.")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"TransitionSpec: reference must be one of {', '.join(map(repr, REFERENCES))}, got {self.reference!r}.")
         for name in ("tolerance", "ramp", "endpoint_fraction", "distill"):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -137,4 +146,4 @@ class TransitionSpec:
         raise TypeError(f"LNPlacement: transition must be a TransitionSpec, an int (its steps) or None, got {value!r}.")
 
 
-__all__ = ["OPEN_SCHEDULES", "TransitionSpec"]
+__all__ = ["OPEN_SCHEDULES", "REFERENCES", "TransitionSpec"]
