@@ -46,6 +46,8 @@ SOURCES: dict[str, str] = {
     "migrate_trained_screen": "results/migrate_trained_screen/results.json",
     # examples/migrate_trained.py --arms unchanged plugin_400 plugin_700 plugin_plain_400 --no-why --out docs/results/migrate_trained_plugin
     "migrate_trained_plugin": "results/migrate_trained_plugin/results.json",
+    # examples/migrate_suite.py (--out outputs/migrate_suite; its results.json and results.md copied here)
+    "migrate_suite": "results/migrate_suite/results.json",
     # benchmarks/*.py (--json / --out)
     "bench_convert": "results/bench_convert/results.json",
     "bench_transition": "results/bench_transition/results.json",

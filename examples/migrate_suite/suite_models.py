@@ -356,8 +356,9 @@ SUITE: dict[str, SuiteModel] = {m.name: m for m in [
                dict(_LM_DATA, pretrain=2400, lr=1e-3, warmup=100, budgets=(300, 600)), _QUICK),
     SuiteModel("bert_mlm", "tuning", "Hugging Face BertForMaskedLM, char vocabulary, 15% masking, dropout 0.1", BertMLMSuite, "mlm",
                dict(n_layers=6, d_model=64, n_heads=4, dropout=0.1),
-               # 2,400 and 5,000 steps at lr 1e-3 left the held-out loss falling (1.3%, 1.8% between the last two tenths)
-               dict(_LM_DATA, pretrain=6000, lr=2e-3, warmup=200, budgets=(300, 600)), {**_QUICK, "arch": {**_QUICK["arch"], "dropout": 0.1}}),
+               # NOT flat: 2,400 and 5,000 steps at lr 1e-3 left the held-out loss falling (1.3%, 1.8% between the last two
+               # tenths), 6,000 at lr 2e-3 too (2.3%, and higher); the suite uses the 5,000-step model
+               dict(_LM_DATA, pretrain=5000, lr=1e-3, warmup=200, budgets=(300, 600)), {**_QUICK, "arch": {**_QUICK["arch"], "dropout": 0.1}}),
     SuiteModel("encoder_cls", "tuning", "nn.TransformerEncoder (norm_first=False) classifying which of 6 stdlib files a window is from",
                # (36,000 chars a file, windows at stride 32, no dropout: it memorised them, held-out loss rising from step ~1,000)
                EncoderClassifierSuite, "cls", dict(n_layers=6, d_model=64, n_heads=4, dropout=0.1),
