@@ -28,7 +28,7 @@ batch-to-batch noise, so "the function at the switch" and "the worst excess" are
 
 Run:
     python examples/migrate_trained.py               # full study: 12 layers, 2 seeds, runs two at a time
-    python examples/migrate_trained.py --quick       # the same tables and plots at small scale (<= 3 min)
+    python examples/migrate_trained.py --quick       # one arm per mechanism, the same tables and plots, small scale
     python examples/migrate_trained.py --report-only # rebuild results.md, results.json and plots from runs/
     python examples/migrate_trained.py --arms unchanged plugin_400   # only these arms (others from runs/)
 
@@ -64,7 +64,7 @@ FULL = dict(layers=12, d_model=64, heads=4, block_size=32, batch_size=16, max_ch
 QUICK = dict(layers=2, d_model=32, heads=2, block_size=32, batch_size=8, max_chars=40_000, lr=3e-3,
              warmup_steps=5, lr_floor=0.1, clip=1.0, pretrain=20, budget=12, unit=6, seeds=1,
              eval_every=3, eval_batches=2, stream_every=3, window=3, jobs=0, probe_windows=8,
-             why_steps=6, why_lr=(3, 10), deepen=1, drift_grid=11)
+             why_steps=6, why_lr=(10,), deepen=1, drift_grid=11)  # one raised learning rate: the code path, once
 CONT_SEED = 100  # the continuation of seed s runs with seed CONT_SEED + s (a fresh data order, the same in every arm)
 WHY_FROM = "scaled_linear_endpoint"  # the migrated arm the why-migrate runs start from (see methods())
 
@@ -173,6 +173,18 @@ def arms(hp: dict) -> dict:
     for name, m in methods(hp).items():
         out[name] = {"kind": "method", "method": m}
     return out
+
+
+def quick_arms(hp: dict) -> list[str]:
+    """--quick's arms: one per distinct mechanism, not the whole study (each arm is a Lightning fit, whose fixed
+    cost dominates at quick scale). The plugin's: no rewrite, the hard switch, its default, its plain blend, and
+    the default to each other placement; the study's: one candidate per schedule and per method family, including
+    the arm the why-migrate runs start from. The full mode runs every arm."""
+    T = hp["unit"]
+    return ["unchanged", "hard", f"plugin_{T}", f"plugin_plain_{T}", f"plugin_mix_{T}", f"plugin_peri_{T}",
+            f"plugin_output_{T}", "plain_linear", "scaled_hard", "scaled_linear_endpoint", "scaled_adaptive",
+            "scaled_staggered", "scaled_speed_long",
+            "peri_scaled_endpoint_distill", "output_scaled_endpoint_distill", hp["why_from"]]
 
 
 def _plugin_teacher_steps(plugin) -> int:
@@ -510,7 +522,12 @@ def main(argv=None) -> int:
     all_arms = list(arms(hp))
     if hp["why_from"] not in all_arms:
         raise SystemExit(f"--why-from {hp['why_from']!r} is not an arm: {', '.join(all_arms)}")
-    chosen = all_arms if args.arms is None else args.arms
+    if args.arms is not None:
+        chosen = args.arms
+    elif args.quick:
+        chosen = list(dict.fromkeys(quick_arms(hp)))
+    else:
+        chosen = all_arms
     unknown = [a for a in chosen if a not in all_arms]
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}; the arms: {', '.join(all_arms)}")

@@ -8,7 +8,8 @@ capability PyTorch itself dispatches to (AVX512, AVX2 or the baseline), and the 
 of the extension's name, so a cache shared between different machines never loads code built for
 another instruction set. So is a hash of the source: two installed versions of ln_lightning (two
 venvs, an upgrade while a run goes on) never load each other's build, whose functions may take
-other arguments.
+other arguments. The build compiles a copy of the source kept in its build directory, so checkouts
+at different paths share one build.
 
 When the build is impossible (no compiler, no ninja, a failed compile) the torch backend keeps
 using aten and one warning says why and how to fix it. ``LN_LIGHTNING_CPU_KERNELS=0`` turns the
@@ -67,12 +68,33 @@ def build_extension(name: str, source: Path, what: str):
         )
     flags = ["-O3", *_FLAGS.get(cap, [])]
     try:
-        return load(name=name, sources=[str(source)], extra_cflags=[*flags, "-fopenmp"],
+        return load(name=name, sources=[str(source_in_build_dir(name, source))], extra_cflags=[*flags, "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - e.g. Apple clang has no -fopenmp: build the serial kernels
         _log.warning("ln_lightning: building the CPU kernels with OpenMP failed (%s); building them single-threaded",
                      str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__)
-        return load(name=f"{name}_serial", sources=[str(source)], extra_cflags=flags, verbose=False)
+        serial = f"{name}_serial"
+        return load(name=serial, sources=[str(source_in_build_dir(serial, source))], extra_cflags=flags, verbose=False)
+
+
+def source_in_build_dir(name: str, source: Path) -> Path:
+    """A copy of ``source`` inside the extension's build directory, which the build compiles instead.
+
+    ninja's build file records the source's path, so compiling the checkout's own file made every checkout at
+    another path (a fresh clone, a CI workspace, a second worktree) rebuild both kernels (about 50 s each). The
+    build directory's name holds the source's hash, so its copy is written once and never changes (rewriting it
+    would touch its mtime and make ninja rebuild); concurrent writers go through a rename, so none reads half a file.
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    copy = build_dir / source.name
+    data = source.read_bytes()
+    if not copy.exists() or copy.read_bytes() != data:
+        tmp = build_dir / f".{source.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, copy)
+    return copy
 
 
 class CompiledKernels:
