@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "migrate_why_depth.py"
 TESTS = {"lr3", "lr10", "deepen"}  # the issue's: the headline verdict
-EXTRA = {"lr1", "lr30"}  # the control and past the pretraining's peak lr: their own verdict line
+EXTRA = {"lr1", "lr30", "lr100"}  # the control, and past the pretraining's peak lr: their own verdict line
 
 
 def _driver():
