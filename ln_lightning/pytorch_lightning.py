@@ -49,8 +49,10 @@ _CLONED = frozenset({
     "callbacks._placement_lookup",
     "callbacks._reduce",
     "callbacks.clip",
+    "callbacks._grad_groups",
     "callbacks.dashboard",
     "callbacks.layernorm",
+    "callbacks.spike",
     "callbacks.stream",
 })
 _PREFIX = __name__ + "."
