@@ -46,13 +46,15 @@ _EXPORTS = {
     "StreamNormMonitor": "ln_lightning.callbacks",
     "LayerNormInputMonitor": "ln_lightning.callbacks",
     "ClipAttributionMonitor": "ln_lightning.callbacks",
+    "SpikeMonitor": "ln_lightning.callbacks",
     # warnings (a leaf module: importing it pulls in nothing)
     "LNLightningWarning": "ln_lightning._warnings",
+    "LNLightningDeprecationWarning": "ln_lightning._warnings",
 }
 
 if TYPE_CHECKING:  # static view of the lazy names above, for type checkers and IDEs
-    from ln_lightning._warnings import LNLightningWarning
-    from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
+    from ln_lightning._warnings import LNLightningDeprecationWarning, LNLightningWarning
+    from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, SpikeMonitor, StreamNormMonitor
     from ln_lightning.export.hf import from_pretrained, save_pretrained
     from ln_lightning.export.native import to_native
     from ln_lightning.norm import FusedAddLayerNorm, FusedLayerNorm, fused_add_layer_norm, swap_layernorms
@@ -76,11 +78,13 @@ __all__ = [
     "ConversionReport",
     "FusedAddLayerNorm",
     "FusedLayerNorm",
+    "LNLightningDeprecationWarning",
     "LNLightningWarning",
     "LNPlacement",
     "LayerNormInputMonitor",
     "PlacementError",
     "PlacementReport",
+    "SpikeMonitor",
     "StreamNormMonitor",
     "Sublayer",
     "TransitionSpec",

@@ -31,7 +31,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["LNLightningWarning"]
+__all__ = ["LNLightningWarning", "LNLightningDeprecationWarning"]
 
 
 class LNLightningWarning(UserWarning):
@@ -43,6 +43,14 @@ class LNLightningWarning(UserWarning):
     the interpreter's ``python -W``, which cannot import the package at startup: see the module docstring).
     Being a ``UserWarning``, it is shown by default, and existing filters on ``UserWarning`` still apply to it.
     """
+
+    __module__ = "ln_lightning"
+
+
+class LNLightningDeprecationWarning(LNLightningWarning, FutureWarning):
+    """An option or function that goes in a coming release: an :class:`LNLightningWarning` (so the package's
+    filters take it) and a :class:`FutureWarning`, the category Python shows by default for deprecations aimed at
+    the people running the code (a plain ``DeprecationWarning`` is hidden outside ``__main__``)."""
 
     __module__ = "ln_lightning"
 

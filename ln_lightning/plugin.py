@@ -39,7 +39,7 @@ from torch import nn
 from ln_lightning import _lightning_patch
 from ln_lightning._distill import CHECKPOINT_KEY as DISTILL_KEY
 from ln_lightning._distill import Distillation
-from ln_lightning._warnings import info, warn
+from ln_lightning._warnings import LNLightningDeprecationWarning, info, warn
 from ln_lightning.checkpoint import CHECKPOINT_KEY, build_model, placement_record, read_checkpoint, remap_optimizer_states
 from ln_lightning.norm import FusedLayerNorm
 from ln_lightning.placement import PlacementError, inspect_model, validate_options
@@ -101,7 +101,7 @@ def _transition_spec(transition: Any, deprecated: dict) -> TransitionSpec | None
     warnings.warn(f"LNPlacement: {', '.join(sorted(deprecated))} are deprecated and go in the next release; pass "
                   f"transition=TransitionSpec({new}) instead (tolerance=None keeps the open-loop schedule these keywords "
                   "had; TransitionSpec's default is the closed loop).",
-                  DeprecationWarning, stacklevel=3)
+                  LNLightningDeprecationWarning, stacklevel=3)
     if fields.get("steps") is None:
         raise ValueError(f"LNPlacement: {', '.join(sorted(deprecated))} apply only with transition_steps, which is "
                          "missing (they were silently ignored before). Pass transition=TransitionSpec(steps=N, ...).")
@@ -160,7 +160,7 @@ class LNPlacement(LayerSync, Callback):
             function: it only undoes a rewrite). What each option does, and what the stream-scaled blend keeps:
             :class:`~ln_lightning.TransitionSpec`. The keywords ``transition_steps``, ``transition_schedule``,
             ``transition_stream_scale``, ``transition_endpoint_fraction`` and ``transition_distill`` still work for
-            this release (the open loop, as before) with a DeprecationWarning.
+            this release (the open loop, as before) with an LNLightningDeprecationWarning.
 
     A model that is already rewritten (by an earlier ``LNPlacement`` or by ``convert``) is trained as it
     is when this ``LNPlacement`` asks for the same function (the configuration the model computes is what

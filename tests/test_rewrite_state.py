@@ -26,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from _helpers_transition import HELD, LM, BlendRecorder, batch, loader, rel, stream_reference, trainer
-from ln_lightning import LNLightningWarning, convert
+from ln_lightning import LNLightningWarning, TransitionSpec, convert
 from ln_lightning.placement import PlacementError, transition
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.plugin import LNPlacement, load_converted
@@ -172,7 +172,7 @@ def test_resume_and_load_converted_use_the_checkpoints_added_weights(tmp_path):
 # ---------------------------------------------------------------------------------------------- 3. transition state
 def test_a_second_fit_continues_the_blend():
     module = LM("demo")
-    plugin = lambda: LNPlacement("pre", transition_steps=4, fused=False, log_report=False, **HELD)  # noqa: E731
+    plugin = lambda: LNPlacement("pre", transition=TransitionSpec(steps=4, tolerance=None, endpoint_fraction=0.0), fused=False, log_report=False)  # noqa: E731
     first, second = BlendRecorder(), BlendRecorder()
     with pytest.warns(LNLightningWarning, match="ended during the transition"):
         trainer(None, plugin(), max_steps=2, callbacks=[first]).fit(module, train_dataloaders=loader())

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import VitsConfig
 from transformers.models.vits.modeling_vits import VitsEncoderLayer
 
+from ln_lightning import LNLightningDeprecationWarning
 from ln_lightning.placement import PlacementError, convert, transition
 from ln_lightning.placement.scale import BranchScale, InputScale
 
@@ -339,7 +340,7 @@ def test_the_default_transition_converts_blocks_that_share_an_exit_module(spelli
                "open": dict(transition=TransitionSpec(steps=4, tolerance=None)),
                "closed": dict(transition=4)}[spelling]  # the closed loop, the default now
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", LNLightningDeprecationWarning)
         plugin = LNPlacement("pre", fused=False, log_report=False, **options)
     trainer(tmp_path, plugin, max_steps=6).fit(module, train_dataloaders=data)
     report = plugin.report

@@ -548,7 +548,7 @@ def test_gradient_accumulation_keeps_one_blend_per_optimizer_step(placement, tmp
     unconverted = copy.deepcopy(module.model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", LNLightningWarning)  # the scales are measured (once: the first micro-batch)
-        trainer(tmp_path, LNPlacement(placement, transition_steps=2, fused=False, log_report=False, **HELD), max_steps=3,
+        trainer(tmp_path, LNPlacement(placement, transition=TransitionSpec(steps=2, tolerance=None, endpoint_fraction=0.0), fused=False, log_report=False), max_steps=3,
                 callbacks=[rec], accumulate_grad_batches=2).fit(module, train_dataloaders=dl)
     assert rec.blends == [0.0, 0.0, 0.5, 0.5, None, None]
     reference = stream_reference(unconverted, x, placement)  # (output: its entries' InputScale `_in_scale.c`)
@@ -976,7 +976,7 @@ def test_the_default_transition_under_compile_and_mixed_precision(style, tmp_pat
     rec = KLRecorder()
     with warnings.catch_warnings():
         warnings.simplefilter("error", LNLightningWarning)  # measured, distilled: no fallback warning
-        trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False), max_steps=4,
+        trainer(tmp_path, LNPlacement("pre", transition=TransitionSpec(steps=3, tolerance=None), fused=False, log_report=False), max_steps=4,
                 callbacks=[rec], **kw).fit(module, train_dataloaders=loader())
     scales = [b.item() for n, b in module.named_buffers() if n.endswith("_scale.c")]
     assert len(scales) == 4 and scales[0] == 1.0 and all(c != 1.0 for c in scales[1:])
@@ -1031,7 +1031,7 @@ def test_the_default_transition_takes_a_training_step_without_batch_idx(tmp_path
     rec = KLRecorder()
     with warnings.catch_warnings():
         warnings.simplefilter("error", LNLightningWarning)
-        trainer(tmp_path, LNPlacement("pre", transition_steps=2, fused=False, log_report=False), max_steps=3,
+        trainer(tmp_path, LNPlacement("pre", transition=TransitionSpec(steps=2, tolerance=None), fused=False, log_report=False), max_steps=3,
                 callbacks=[rec]).fit(module, train_dataloaders=loader())
     assert rec.kl[1] is not None and "training_step" not in vars(module)
 

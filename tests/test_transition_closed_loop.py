@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.overrides import TorchFunctionMode
 
 from _helpers_transition import LM, BlendRecorder, batch, loader, rel, trainer
-from ln_lightning import LNLightningWarning, TransitionSpec
+from ln_lightning import LNLightningDeprecationWarning, LNLightningWarning, TransitionSpec
 from ln_lightning import _distill
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import convert, transition
@@ -77,11 +77,11 @@ def test_transition_spec_validates_and_spells_the_closed_loop():
 
 
 def test_deprecated_keywords_warn_keep_the_open_loop_and_refuse_without_steps():
-    with pytest.warns(DeprecationWarning, match=r"transition=TransitionSpec\(steps=7, distill=0.5, tolerance=None\)"):
+    with pytest.warns(LNLightningDeprecationWarning, match=r"transition=TransitionSpec\(steps=7, distill=0.5, tolerance=None\)"):
         p = LNPlacement("pre", transition_steps=7, transition_distill=0.5)
     assert p.transition == TransitionSpec(steps=7, tolerance=None, distill=0.5)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", LNLightningDeprecationWarning)
         with pytest.raises(ValueError, match="apply only with transition_steps"):
             LNPlacement("pre", transition_distill=0.5)  # silently ignored before
         with pytest.raises(ValueError, match="not both"):

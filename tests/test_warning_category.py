@@ -58,11 +58,15 @@ def _warn_calls(tree: ast.AST) -> list[tuple[ast.Call, str]]:
     return calls
 
 
+# LNLightningDeprecationWarning subclasses LNLightningWarning (test_the_deprecation_category_is_the_package_s)
+CATEGORIES = {CATEGORY, "LNLightningDeprecationWarning"}
+
+
 def _is_category(node: ast.AST | None) -> bool:
     if isinstance(node, ast.Name):
-        return node.id == CATEGORY
+        return node.id in CATEGORIES
     if isinstance(node, ast.Attribute):
-        return node.attr == CATEGORY
+        return node.attr in CATEGORIES
     return False
 
 
@@ -125,6 +129,13 @@ def test_scanner_sees_each_form(tmp_path):
     sites, offenders = scan(src, tmp_path)
     assert sites == ["ln_lightning/h.py:2"] + [f"ln_lightning/m.py:{n}" for n in (5, 6, 7, 8, 9, 10)]
     assert offenders == ["ln_lightning/m.py:5", "ln_lightning/m.py:7", "ln_lightning/m.py:8"]
+
+
+def test_the_deprecation_category_is_the_package_s():
+    from ln_lightning import LNLightningDeprecationWarning
+
+    assert issubclass(LNLightningDeprecationWarning, LNLightningWarning)
+    assert issubclass(LNLightningDeprecationWarning, FutureWarning)  # shown by default, unlike DeprecationWarning
 
 
 def test_the_package_has_warning_call_sites():

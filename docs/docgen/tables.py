@@ -324,6 +324,55 @@ EXAMPLES = [
 ]
 
 
+# ------------------------------------------------------------------ migrate_suite (examples/migrate_suite.py)
+
+_SUITE_ARMS = ("hard", "default", "closed_S0.6_t0.02", "closed_S0.6_t0.05")
+
+
+def _suite_cell(r: dict | None) -> str:
+    if r is None:
+        return "not run"
+    if "final" not in r:
+        return "failed"
+    v = r.get("verdict") or {}
+    blend = "" if r["blend_reached"] in (None, 1.0) else f", blend {r['blend_reached']:.2f}"
+    mark = "meets" if v.get("ok") else "**fails**"
+    return f"{r['worst_excess']:+.3f} / {v.get('final_minus_unchanged', float('nan')):+.3f}{blend} ({mark})"
+
+
+def migrate_suite() -> str:
+    """One row per model and budget: each arm's worst excess / final − unchanged, the blend where it stopped short."""
+    d = load("migrate_suite")
+    runs = {(r["model"], r["budget"], r["seed"], r["arm"]): r for r in d["runs"]}
+    keys = sorted({(r["model"], r["budget"], r["seed"]) for r in d["runs"]},
+                  key=lambda k: (list(d["models"]).index(k[0]), k[1], k[2]))
+    lines = ["| model (half) | budget | " + " | ".join(f"`{a}`" for a in _SUITE_ARMS) + " |",
+             "|---|---|" + "---|" * len(_SUITE_ARMS)]
+    for m, b, s in keys:
+        lines.append(f"| {m} ({d['models'][m]['half']}) | {b} | " + " | ".join(_suite_cell(runs.get((m, b, s, a))) for a in _SUITE_ARMS) + " |")
+    g = d["goal"]
+    return "\n".join(lines + [
+        "", f"Each cell: worst held-out excess over the pre-switch loss / final held-out loss − continuing unchanged's, "
+        f"one seed. Goal: excess at most {g['excess']:.2f} and final within {g['final']:.2f} (or twice the unchanged run's own "
+        "wander, if larger), within the unchanged run's compute, blend 1 reached. `default` is the deprecated open loop "
+        "(`transition_steps` = a third of the budget); the closed loops have a budget of 0.6 of it. The tolerance was picked "
+        f"on the tuning half (`{d['rule_picks']}`) and run untouched on the held-out half. " + _caption("migrate_suite")])
+
+
+def migrate_why_depth() -> str:
+    """Point 6: the migrated deep model against the unchanged one, per test and seed, with the verdict's tolerance."""
+    d = load("migrate_why_depth")
+    lines = ["| test | verdict | final migrated − unchanged, per seed |", "|---|---|---|"]
+    for part in ("verdict", "extra_verdict"):
+        for test, t in d[part]["per_test"].items():
+            lines.append(f"| {test} | {t['verdict']} | {_seeds((x['m_minus_u'] for x in t['seeds']), '+.4f')} |")
+    v = d["verdict"]
+    return "\n".join(lines + ["", f"{d['model']['kind']}, seeds {', '.join(map(str, d['seeds']))}. `lrN`: continue at N times the "
+                              "pretraining's final learning rate; `deepen`: add blocks and continue. A difference counts when "
+                              f"it exceeds {v['tolerance']:.3f} on every seed (set by the seed spread of {v['tolerance_from']}). "
+                              + _caption("migrate_why_depth")])
+
+
 def _argv_and_minutes(name: str) -> tuple[list[str], float | None]:
     d = load(name)
     if name == "migrate_post_norm":
@@ -402,6 +451,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "migrate_trained_claims": migrate_trained_claims,
     "migrate_trained_screen": migrate_trained_screen,
     "migrate_trained_drift": migrate_trained_drift,
+    "migrate_suite": migrate_suite,
+    "migrate_why_depth": migrate_why_depth,
     "migrate_trained_why": migrate_trained_why,
     "examples": examples,
     "depth_images": depth_images,

@@ -244,7 +244,8 @@ def _collect(package: Path, stamp: tuple) -> tuple[Message, ...]:
                         pairs = [v for t, v in zip(target.elts, value.elts) if isinstance(t, ast.Attribute) and t.attr == "reason"]
                     for v in pairs:
                         if _stringy(v) or isinstance(v, ast.Name) and mod._assigned_str(v):
-                            out += [Message("skip reason", t, site, fn) for t in mod.texts(v)]
+                            # `reason = ""` clears a reason before a retry: not a message
+                            out += [Message("skip reason", t, site, fn) for t in mod.texts(v) if t]
             elif isinstance(node, ast.Return) and fn in ("can_convert_to", "_refusal") and node.value is not None and _stringy(node.value):
                 out += [Message("skip reason", t, site, fn) for t in mod.texts(node.value)]
         # A public module-level constant that reads as a sentence is a message used by name (a skip reason
