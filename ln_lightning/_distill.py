@@ -53,6 +53,7 @@ class Distillation:
         self._module: LightningModule | None = None
         self._transition = None
         self._wrapper = None
+        self.paused = False  # pause(): the teacher is kept for the checkpoints, not run
         self._in_step = False
         self.distilled_once = False  # a KL was added in this run (checked after the first step)
 
@@ -102,18 +103,30 @@ class Distillation:
         pl_module.__dict__[_STEP] = training_step
         return None
 
-    def stop(self, keep: bool = True) -> None:
-        """Drop the hooks, and the teacher: kept with the model's transition on the CPU for a later fit (`keep`:
-        the Trainer call ended mid-transition), or let go (the transition ended, or distillation stopped)."""
+    def pause(self) -> None:
+        """Stop distilling for the rest of this fit (no teacher forward, no term in the loss), keeping the teacher,
+        on the CPU, for the checkpoints: a closed loop that spent its budget holds its blend, and a later fit with a
+        larger budget measures its drift against the same trained function."""
+        self._unhook()
+        if self.teacher is not None and not self.live:
+            self.teacher.to("cpu")
+        self.paused = True
+
+    def _unhook(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
         if self._pre_handle is not None:
             self._pre_handle.remove()
             self._pre_handle = None
-        self._rng, self._drift = None, []
+        self._rng, self._drift, self._pending = None, [], []
         if self._module is not None and self._module.__dict__.get(_STEP) is self._wrapper:
             del self._module.__dict__[_STEP]
+
+    def stop(self, keep: bool = True) -> None:
+        """Drop the hooks, and the teacher: kept with the model's transition on the CPU for a later fit (`keep`:
+        the Trainer call ended mid-transition), or let go (the transition ended, or distillation stopped)."""
+        self._unhook()
         t = self._transition
         if t is not None and not self.live:
             if keep and self.off_reason is None and self.teacher is not None:

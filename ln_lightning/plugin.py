@@ -336,7 +336,7 @@ class LNPlacement(LayerSync, Callback):
         existing = state.config
         reason = difference(existing, self.config, model, state.added)
         if reason is None and self.transition_steps is not None and state.transition is None and not state.transition_ended:
-            reason = (f"transition_steps needs the model as written to start from, but this one computes "
+            reason = (f"a transition needs the model as written to start from, but this one computes "
                       f"{existing.get('placement')!r} already (no transition under way)")
         if reason is not None:
             raise ValueError(
@@ -576,8 +576,8 @@ class LNPlacement(LayerSync, Callback):
         # logged as the device tensor it is: no synchronisation per step.
         t.hold()
         pl_module.log("ln_placement/transition", t.blend.clone(), on_step=True, on_epoch=False)
-        if t.closed:  # the smoothed drift the closed loop gates on (-1 before its first measurement)
-            pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
+        if run.distill is not None and run.distill.paused:  # a spent budget: no term is added to the loss any more
+            pl_module.log("ln_placement/distill_kl", t.blend.new_zeros(()), on_step=True, on_epoch=False)
         if done == 0 and t.needs_measurement and not run.measured:
             t.begin_measurement()  # this forward runs at blend 0: the trained function's own statistics
             run.measuring = True
@@ -641,16 +641,20 @@ class LNPlacement(LayerSync, Callback):
                 drift = torch.zeros((), device=t.blend.device)
             drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
             t.gate(drift, spec.tolerance, spec.rate())
+            # the smoothed drift the loop just gated on (logged after the gate: never the -1 of "not measured yet")
+            pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
         done = t.host_steps + 1
         a = state.advance(pl_module, check=done % every == 0)
         if a is None or a >= 1.0:
             return a
         steps = state.transition.steps
-        need = run.pace.update(done, a)  # the budget the recent pace needs (None: the blend has stopped moving)
+        need = run.pace.update(done, a, steps)  # the budget the recent pace needs (None: the blend has stopped moving)
         if done >= steps:
             run.over_budget = True
             self._warn_over_budget(trainer, t, a)
+            if distill is not None and distill.active:
+                distill.pause()  # the blend is held from here: no teacher forward, the teacher kept for checkpoints
         elif not run.warned_pace and done >= steps // 4 and (need is None or need > steps):
             run.warned_pace = True
             if trainer.is_global_zero:
@@ -661,7 +665,7 @@ class LNPlacement(LayerSync, Callback):
 
     def _warn_over_budget(self, trainer: Trainer, t, a: float) -> None:
         run, spec = self._run, self.transition
-        need = None if run is None else run.pace.update(t.host_steps, a)
+        need = None if run is None else run.pace.update(t.host_steps, a, t.steps)
         if run is not None:
             run.over_budget = True
             run.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
@@ -857,10 +861,14 @@ class _Pace:
         self.reads: list[tuple[int, float]] = [(0, 0.0)]
         self.still_since: int | None = None  # the step from which the blend has not moved
 
-    def update(self, done: int, blend: float) -> int | None:
+    def update(self, done: int, blend: float, budget: int) -> int | None:
+        """The pace over the last tenth of the budget at least (so an endpoint step, which holds the blend, or
+        a short hold is not a stall), from the latest read at or before that span's start."""
         if done > self.reads[-1][0]:
             self.reads.append((done, blend))
-        (d0, a0), (d1, a1) = self.reads[-2] if len(self.reads) > 1 else (0, 0.0), self.reads[-1]
+        d1, a1 = self.reads[-1]
+        span = max(1, budget // 10)
+        d0, a0 = next(((d, a) for d, a in reversed(self.reads[:-1]) if d <= d1 - span), self.reads[0])
         if a1 > a0:
             self.still_since = None
             return int(math.ceil(d1 + (1.0 - a1) * (d1 - d0) / (a1 - a0) - 1e-6))  # (- 1e-6: float noise)

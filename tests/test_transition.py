@@ -514,7 +514,7 @@ def test_x_transformers_stream_scaled_peri_and_output_hold_the_scale_in_gamma(pl
 def test_transition_steps_on_a_model_already_converted_is_refused(tmp_path):
     module = LM("demo")
     convert(module, "pre")
-    with pytest.raises(ValueError, match="transition_steps needs the model as written"):
+    with pytest.raises(ValueError, match="a transition needs the model as written"):
         trainer(tmp_path, LNPlacement("pre", transition_steps=3, fused=False, log_report=False, **PLAIN), max_steps=1).fit(
             module, train_dataloaders=loader())
 

@@ -107,7 +107,7 @@ def test_closed_loop_ends_at_the_rewrite_when_the_drift_allows_and_the_dashboard
     assert blends[0] == 0.0 and 0.0 < blends[2] < 1.0
     assert blends[-1] == 1.0  # after the end it says so, not the last blend it logged
     drift = _csv_column(tmp_path / "logs", "ln_placement/drift")
-    assert drift and all(d >= 0.0 for d in drift[1:])
+    assert drift and all(d >= 0.0 for d in drift)  # from the first step: the drift measured, never "-1"
     payload = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())
     assert payload["transition"]["finished"] is True
 
@@ -120,7 +120,10 @@ def test_after_an_open_loop_transition_the_dashboard_shows_it_ended(tmp_path):
     assert len(kl) == 7 and kl[4:] == [0.0, 0.0, 0.0]  # no term added after the end; before it, the measured KL
 
 
-def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finishes(tmp_path):
+def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finishes(tmp_path, monkeypatch):
+    teacher_runs = []
+    original = _distill.kl_to_teacher
+    monkeypatch.setattr(_distill, "kl_to_teacher", lambda s, t: teacher_runs.append(1) or original(s, t))
     module = LM("demo", lr=0.0)
     plugin = LNPlacement("pre", transition=TransitionSpec(steps=6, tolerance=1e-12, endpoint_fraction=0.0), fused=False)
     with pytest.warns(LNLightningWarning) as caught:
@@ -141,6 +144,9 @@ def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finis
     assert final["tolerance"] == 1e-12
     assert final["blend"] == pytest.approx(t.blend.item())
     assert _csv_column(tmp_path / "logs", "ln_placement/transition")[-1] == pytest.approx(t.blend.item())
+    # The budget spent, the blend is held and the teacher no longer runs (steps 6 and 7), nor adds a term.
+    assert len(teacher_runs) == 6
+    assert _csv_column(tmp_path / "logs", "ln_placement/distill_kl")[-2:] == [0.0, 0.0]
 
 
 def test_closed_loop_resume_gives_the_uninterrupted_weights(tmp_path):
@@ -350,9 +356,24 @@ def test_a_continuations_report_describes_the_trained_model_it_continues(tmp_pat
 def test_the_pace_projects_the_budget_from_the_recent_reads_and_names_a_stall():
     from ln_lightning.plugin import _Pace
 
+    pace = _Pace()  # a budget of 100: the pace is judged over 10 steps at least
+    assert pace.update(10, 0.2, 100) == 50  # 0.2 in 10 steps: 40 more
+    assert pace.update(20, 0.3, 100) == 90  # slower lately: 0.1 in 10 steps, 0.7 to go
+    assert pace.update(30, 0.3, 100) is None and pace.still_since == 20
+    assert pace.update(40, 0.3, 100) is None and pace.still_since == 20
+    assert pace.update(50, 0.5, 100) == 75 and pace.still_since is None
+
+
+def test_a_held_step_between_reads_every_step_is_not_a_stall():
+    """Read every step (log_every_n_steps=1), an endpoint step holds the blend for one step: not a stall (the
+    first version said "has not moved since step 13" here, a false warning)."""
+    from ln_lightning.plugin import _Pace
+
     pace = _Pace()
-    assert pace.update(10, 0.2) == 50  # 0.2 in 10 steps: 40 more
-    assert pace.update(20, 0.3) == 90  # slower lately: 0.1 in 10 steps, 0.7 to go
-    assert pace.update(30, 0.3) is None and pace.still_since == 20
-    assert pace.update(40, 0.3) is None and pace.still_since == 20
-    assert pace.update(50, 0.5) == 75 and pace.still_since is None
+    blend = [min(1.0, 0.01 * k) for k in range(1, 15)] + [0.14] + [0.01 * k for k in range(15, 30)]  # step 15 holds
+    for done, a in enumerate(blend, start=1):
+        assert pace.update(done, a, 100) is not None, done
+    assert pace.still_since is None
+    for done in range(31, 42):  # held for a tenth of the budget and more: a stall
+        need = pace.update(done, 0.29, 100)
+    assert need is None and pace.still_since == 30

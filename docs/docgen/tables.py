@@ -359,6 +359,27 @@ def migrate_suite() -> str:
         f"on the tuning half (`{d['rule_picks']}`) and run untouched on the held-out half. " + _caption("migrate_suite")])
 
 
+def migrate_suite_needs() -> str:
+    """What each suite model needed of the closed loop: the steps its blend took to reach 1 (or where it stood when
+    the budget ran out) and the largest smoothed drift it gated on, per budget, for the tolerances run on it."""
+    d = load("migrate_suite")
+    rows = [r for r in d["runs"] if r["arm"].startswith("closed_") and "final" in r]
+    lines = ["| model (half) | layers | tolerance | budget (steps) | blend 1 reached at step | largest smoothed drift | goal |",
+             "|---|---|---|---|---|---|---|"]
+    order = list(d["models"])
+    for r in sorted(rows, key=lambda r: (order.index(r["model"]), r["arm"], r["budget"])):
+        tol = r["arm"].rpartition("_t")[2]
+        steps = round(float(r["arm"].split("_S")[1].split("_")[0]) * r["budget"])
+        end = (str(r["transition_end"]) if r["transition_end"] is not None
+               else f"not reached: blend {r['blend_reached']:.2f} at the budget's end")
+        drift = "" if r.get("drift_max") is None else f"{r['drift_max']:.3f}"
+        ok = (r.get("verdict") or {}).get("ok")
+        lines.append(f"| {r['model']} ({r['half']}) | {d['models'][r['model']]['arch']['n_layers']} | `{tol}` | {steps} | {end} | "
+                     f"{drift} | {'meets' if ok else '**fails**'} |")
+    return "\n".join(lines + ["", "With nothing holding it the blend reaches 1 at about half the budget (`ramp=0.5`), plus the "
+                              "endpoint steps taken on the way; a later step means the drift held it. " + _caption("migrate_suite")])
+
+
 def migrate_why_depth() -> str:
     """Point 6: the migrated deep model against the unchanged one, per test and seed, with the verdict's tolerance."""
     d = load("migrate_why_depth")
@@ -452,6 +473,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "migrate_trained_screen": migrate_trained_screen,
     "migrate_trained_drift": migrate_trained_drift,
     "migrate_suite": migrate_suite,
+    "migrate_suite_needs": migrate_suite_needs,
     "migrate_why_depth": migrate_why_depth,
     "migrate_trained_why": migrate_trained_why,
     "examples": examples,

@@ -394,8 +394,8 @@ def _on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, u
                 stream = [c.get("branch_scale") == "stream" for c in (theirs or {}, state.config)]
                 hint = ""
                 if stream == [False, True]:  # written before the stream-scaled default, or with it turned off
-                    hint = (" LNPlacement(..., transition_steps=N) now scales the stream by default (branch_scale='stream'); "
-                            "to go on with a model written without it, pass transition_stream_scale=False.")
+                    hint = (" LNPlacement(..., transition=N) scales the stream by default (branch_scale='stream'); "
+                            "to go on with a model written without it, pass transition=TransitionSpec(..., stream_scale=False).")
                 elif stream == [True, False]:  # migrated by the default transition, loaded by a plain LNPlacement
                     hint = (" That model was migrated with the stream-scaled transition: pass branch_scale='stream' (its "
                             "measured constants load with the weights).")
@@ -461,8 +461,10 @@ def _fill_unconverted(module, state: RewriteState, base: str, state_dict, prefix
     msg = (
         f"{accepting.get('who', 'accept_unconverted')}: the state_dict was written without the placement rewrite; its weights "
         f"are loaded into the model rewritten to ({_fmt(state.config)}), which computes "
-        + (f"exactly the function they were trained for and moves to {placement}-norm over the next "
-           f"{t.steps} optimizer steps (transition_steps)." if in_transition and t.host_steps == 0 else
+        + ((f"exactly the function they were trained for and moves to {placement}-norm as fast as its drift from "
+            f"that function allows, within a budget of {t.steps} optimizer steps (the closed loop)." if t.closed else
+            f"exactly the function they were trained for and moves to {placement}-norm over the next "
+            f"{t.steps} optimizer steps (the open loop).") if in_transition and t.host_steps == 0 else
            f"{placement}-norm with them, not the function they were trained for.")
         + (f" Added modules start from the trained weights they derive from ({'; '.join(derived)})." if derived else "")
         + (f" Parameters the rewrite added keep their fresh values ({', '.join(fresh)})." if fresh else "")
