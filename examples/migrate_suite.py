@@ -49,6 +49,8 @@ UNITS_FWD, UNITS_BWD = 1, 2
 # The split, fixed before any method was tuned (recorded in results.json with the commit that added it).
 HALVES = {"tuning": ("charlm", "bert_mlm", "encoder_cls"), "held-out": ("deep_dropout_lm", "bart_denoise", "xt_decoder")}
 
+CALIBRATION_ARMS = ("calib_S0.6_t0.05", "calibpc_S0.6_t0.05")  # endpoint calibration (their settings: CALIBRATION)
+
 # The order in which methods were tried, and on which half each was chosen (appended as methods are tried).
 METHODS_TRIED = [
     {"order": 1, "arms": ["unchanged", "hard", "default", "default_long"], "on": "every model (both halves)",
@@ -62,6 +64,16 @@ METHODS_TRIED = [
     {"order": 3, "arms": ["closed_S0.6_t0.05"], "on": "the HELD-OUT half, untouched",
      "note": "picked on the TUNING half by the rule above (t0.02 stalled short of blend 1 on charlm at both budgets and on "
              "encoder_cls), then run once on the held-out models with nothing changed"},
+    {"order": 4, "arms": list(CALIBRATION_ARMS), "on": "the TUNING half only",
+     "note": "endpoint calibration (examples/migrate_suite/endpoint_calibration.py) on top of closed_S0.6_t0.05: the end "
+             "point's own parameters (branch scales C_k, scalar or per channel, and the added final norm's gain and bias; "
+             "any value leaves blend 0 bit for bit the trained function) fitted to KL(trained || model at blend 1) on the "
+             "inputs of training batches 0-1, at the start of batch 2, trained weights frozen, eval mode, its compute "
+             "counted. Settings chosen on charlm, bert_mlm and encoder_cls checkpoints at the switch (end-point KL on the "
+             "held-out batches, not on a continuation): scalar 6 L-BFGS evaluations (38 units), per channel 12 (74 units). "
+             "The rule, fixed before the runs: among closed_S0.6_t0.05 and the calibrated arms, most tuning runs meeting "
+             "the goal (blend 1 reached included), then the smaller worst excess over those runs (as order 2); a tie keeps "
+             "closed_S0.6_t0.05. Only an arm that wins runs on the HELD-OUT half (xt_decoder first), untouched"},
 ]
 
 
@@ -99,6 +111,17 @@ for _f, _fname in ((1 / 3, "S0.33"), (0.6, "S0.6")):
                                           f"resume_unconverted=True): the closed loop", _closed(_f, _t))
 
 
+# Endpoint calibration (examples/migrate_suite/endpoint_calibration.py): the closed loop of closed_S0.6_t0.05, plus a fit
+# of the end point's own parameters (branch scales C_k, the added final norm's gain and bias) to the trained function
+# at the start of batch 2, on the model's inputs of batches 0 and 1, with the trained weights frozen; counted.
+CALIBRATION = dict(zip(CALIBRATION_ARMS, (("scalar", dict(batches=2, evals=6, per_channel=False)),
+                                           ("per channel", dict(batches=2, evals=12, per_channel=True)))))
+for _arm, (_how, _kw) in CALIBRATION.items():
+    ARMS[_arm] = (f'closed_S0.6_t0.05 plus endpoint calibration ({_how} C_k and the added final norm\'s affine, L-BFGS '
+                  f'{_kw["evals"]} evaluations on the inputs of training batches 0-{_kw["batches"] - 1}, at the start of batch '
+                  f'{_kw["batches"]}, trained weights frozen; its compute counted)', _closed(0.6, 0.05))
+
+
 # What happened on the way (the runs it replaced are not in results.json; the report lists these).
 HISTORY = [
     "First pretraining (1 seed, before any continuation was looked at for a choice): bert_mlm 2,400 and then 5,000 steps "
@@ -115,7 +138,8 @@ HISTORY = [
 ]
 
 # Arms tuned on the TUNING half: on the HELD-OUT half only the one picked there runs (set once it is picked).
-TUNED_PREFIX = "closed_"
+TUNED_PREFIX = ("closed_", "calib")
+INCUMBENT = "closed_S0.6_t0.05"  # what the rule keeps on a tie (the calibrated arms must beat it, not equal it)
 PICKED: str | None = "closed_S0.6_t0.05"  # the rule's pick on the TUNING half (settled before encoder_cls B600 ended: t0.02 had
 # already failed three tuning runs, t0.05 none)
 
@@ -128,7 +152,7 @@ def pick_on_tuning(runs: list[dict]) -> str | None:
 
     def score(arm):
         rs = [r for r in runs if r["arm"] == arm and r["half"] == "tuning" and r.get("verdict")]
-        return (-sum(r["verdict"]["ok"] for r in rs), max(r.get("worst_excess", float("inf")) for r in rs))
+        return (-sum(r["verdict"]["ok"] for r in rs), max(r.get("worst_excess", float("inf")) for r in rs), arm != INCUMBENT)
 
     return min(cands, key=score)
 
@@ -271,11 +295,25 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
     hp = {**hp, "eval_every": every}
     memory = Memory()
     probe = Probe(budget_units, plugin)
+    callbacks = [probe]
+    calib = None
+    if arm in CALIBRATION:
+        from endpoint_calibration import EndpointCalibration
+
+        def spend(units):  # the calibration's compute, in the run's count (the probe stops the run within the budget)
+            probe.units += units
+
+        def left():  # what the run may spend beyond this step and the next (the probe counted this one)
+            return budget_units - probe.units - (UNITS_FWD + UNITS_BWD + UNITS_FWD)
+
+        calib = EndpointCalibration(spend=spend, heldout=lambda mod: sm.heldout_loss(mod, eval_b), budget_left=left,
+                                    **CALIBRATION[arm][1])
+        callbacks.append(calib)  # after the probe: at its batch the probe has counted the step, then this adds its own
     module = m.build(hp)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, gradient_clip_val=1.0, limit_val_batches=0,
                         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         logger=[memory], log_every_n_steps=1, plugins=[plugin] if plugin is not None else None,
-                        callbacks=[probe], default_root_dir=str(out / "lightning"))
+                        callbacks=callbacks, default_root_dir=str(out / "lightning"))
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -300,7 +338,7 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
         "plugin": plugin_settings(plugin),
         "plugin_logs": memory.rows, "warnings": dedup[:20], "error": error,
         "params": sum(p.numel() for p in module.parameters()), "fit_wall_s": fit_wall, "wall_s": time.time() - t_wall0,
-        "ln_lightning": ln_lightning_source(),
+        "ln_lightning": ln_lightning_source(), "calibration": None if calib is None else calib.results,
     }
 
 
@@ -369,6 +407,7 @@ def analyse_arm(r: dict, level: float) -> dict:
         "wall_s": r["wall_s"], "same_batches": None, "ln_lightning": r.get("ln_lightning"),
         "distill_kl_first": next(iter(v for _, v in r.get("plugin_logs", {}).get("ln_placement/distill_kl", [])), None),
         "distill_kl_max": max((v for _, v in r.get("plugin_logs", {}).get("ln_placement/distill_kl", [])), default=None),
+        "calibration": r.get("calibration"),
         "drift_max": max((v for _, v in r.get("plugin_logs", {}).get("ln_placement/drift", [])), default=None),
     }
 
@@ -481,6 +520,21 @@ def render_markdown(res: dict) -> str:
     if kl0:
         L += ["", "The distillation term at the transition's first logged step (0 where teacher and student agree): "
               + ", ".join(f"{r['model']} {r['arm']} B{r['budget']} {r['distill_kl_first']:.2g}" for r in kl0) + "."]
+    cal = [r for r in res["runs"] if r.get("calibration")]
+    if cal:
+        L += ["", "## Endpoint calibration", "",
+              "KL(trained || model at blend 1) on the calibration batches before and after the fit (eval mode), the held-out "
+              "loss at blend 1 before and after it (a diagnostic, not counted), and the compute it spent (counted in the run's):", ""]
+        for r in cal:
+            for c in r["calibration"]:
+                if "error" in c:
+                    L.append(f"- {r['model']} {r['arm']} B{r['budget']}: NOT calibrated: {c['error']}")
+                    continue
+                ho = (f"; held-out at blend 1 {c['heldout_a1_before']:.4f} -> {c['heldout_a1_after']:.4f}"
+                      if c.get("heldout_a1_before") is not None else "")
+                L.append(f"- {r['model']} {r['arm']} B{r['budget']}: step {c['step']} (blend {c['blend']:.3f}): KL "
+                         f"{c['kl_before']:.4f} -> {c['kl_after']:.4f}{'' if c['applied'] else ' (not applied: no better)'}{ho}; "
+                         f"{c['evals']} evaluations, {c['units']:.0f} units")
     notes = [(r, w) for r in res["runs"] for w in r.get("warnings", [])]
     if notes:
         L += ["", "## Warnings the plugin raised (first of each, per run)", ""]

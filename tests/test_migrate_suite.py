@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "migrate_suite.py"
 MODELS = {"charlm", "bert_mlm", "encoder_cls", "deep_dropout_lm", "bart_denoise", "xt_decoder"}
 ARMS = {"unchanged", "hard", "default", "default_long", "closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02",
-        "closed_S0.6_t0.05"}
+        "closed_S0.6_t0.05", "calib_S0.6_t0.05", "calibpc_S0.6_t0.05"}
+TUNED = ("closed_", "calib")  # arms tuned on the tuning half: on the held-out half only the one picked there runs
 
 
 def _render(results: dict) -> str:
@@ -51,7 +52,7 @@ def test_migrate_suite_quick(tmp_path):
     assert len(budgets) == 2
     # the closed-loop arms are tuned on the tuning half; the held-out half runs the baselines and the one picked there
     tuning, picked = set(res["split"]["tuning"]), res["picked_on_tuning"]
-    expected = {(m, a, b) for m in MODELS for a in ARMS for b in budgets if m in tuning or not a.startswith("closed_") or a == picked}
+    expected = {(m, a, b) for m in MODELS for a in ARMS for b in budgets if m in tuning or not a.startswith(TUNED) or a == picked}
     assert {(r["model"], r["arm"], r["budget"]) for r in runs} == expected
     for r in runs:
         assert not r.get("error"), f"{r['model']} {r['arm']}: {r['error']}"
@@ -67,10 +68,13 @@ def test_migrate_suite_quick(tmp_path):
             assert isinstance(v["ok"], bool) and v["why"] and v["tol_excess"] >= 0.03 and v["tol_final"] >= 0.02
             assert v["final_minus_unchanged"] == pytest.approx(r["final"] - unchanged["final"])
             assert 0.0 <= r["blend_reached"] <= 1.0 and v["finished_ok"] == (r["blend_reached"] == 1.0)
-        if r["arm"] in ("default", "default_long") or r["arm"].startswith("closed_"):
+        if r["arm"] in ("default", "default_long") or r["arm"].startswith(TUNED):
             # blend 0 is the trained function: the held-out loss at the switch is the unchanged run's
             assert r["at_switch"] == pytest.approx(unchanged["at_switch"], abs=1e-5)
-            assert r["teacher_steps"] > 0 and r["units"] == 3 * r["steps"] + r["teacher_steps"]
+            # the endpoint calibration's compute is in the count (cut to what the budget leaves, or not run, with why)
+            calib = sum(c.get("units", 0) for c in r.get("calibration") or [])
+            assert (calib > 0 or any("error" in c for c in r.get("calibration") or [])) == r["arm"].startswith("calib")
+            assert r["teacher_steps"] > 0 and r["units"] == 3 * r["steps"] + r["teacher_steps"] + calib
 
     md = (tmp_path / "results.md").read_text()
     assert md == _render(res)
