@@ -24,3 +24,12 @@ def docgen(module: str):
         sys.modules["docgen"] = package
         spec.loader.exec_module(package)
     return importlib.import_module(f"docgen.{module}")
+
+
+def docgen_script(name: str):
+    """A script of docs/ (e.g. "render_guides"), loaded as a module (its main() does not run), after docgen."""
+    docgen("figures")
+    spec = importlib.util.spec_from_file_location(f"_docs_{name}", DOCS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

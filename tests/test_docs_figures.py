@@ -12,14 +12,15 @@ import re
 from pathlib import Path
 
 import pytest
-from _helpers_docs import docgen
+from _helpers_docs import docgen, docgen_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 figures = docgen("figures")
 tables = docgen("tables")
 results_pages = docgen("results_pages")
-HAND_WRITTEN = [ROOT / "README.md", *sorted((DOCS / "guides").glob("*.md"))]
+# What people write: the README and the guides' templates (docs/render_guides.py fills their figures in).
+HAND_WRITTEN = [ROOT / "README.md", *sorted((DOCS / "guides_src").glob("*.md"))]
 
 
 def _rel(p: Path) -> str:
@@ -68,6 +69,15 @@ def test_no_placeholder_inside_inline_code(page):
     prose = "".join(text for is_code, text in figures.split_fenced(page.read_text(encoding="utf-8")) if not is_code)
     spans = [span for span in _inline_code(prose) if "{{" in span]
     assert not spans, f"{_rel(page)}: placeholders in inline code: {spans}"
+
+
+def test_rendered_guides_are_current(capsys):
+    """docs/guides/ (what the README links to, and GitHub shows as it is) is the templates with every figure filled
+    in: no placeholder left outside code, and the text of today's results files."""
+    render_guides = docgen_script("render_guides")
+    assert render_guides.main(["--check"]) == 0, capsys.readouterr().err
+    for page in sorted((DOCS / "guides").glob("*.md")):
+        assert not figures.placeholders(page.read_text(encoding="utf-8")), page
 
 
 def test_readme_has_no_placeholders():
