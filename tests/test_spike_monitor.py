@@ -327,23 +327,26 @@ def test_manual_optimisation_reports_lightnings_step(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Actions
 # ---------------------------------------------------------------------------------------------
-def test_skip_leaves_the_weights_as_they_were_and_says_so(tmp_path):
+def _fit_with_action(tmp_path, on_spike: str, name: str):
+    """A run spiking at its last step with `on_spike`, and a reference run of the steps before it (no spike, no
+    monitor). Returns (the run's module, the reference's module, the run's records)."""
     x, y = make_batches(SPIKE_STEP + 1, 2)
     module = SpikeLM(x, y, spike_step=SPIKE_STEP, spike_half=1)
     reference = SpikeLM(x, y, spike_step=None)
     fit(tmp_path, reference, [], name="ref", max_steps=SPIKE_STEP)
-    _, records = fit(tmp_path, module, [SpikeMonitor(window=WINDOW, on_spike="skip")], name="skip")
+    _, records = fit(tmp_path, module, [SpikeMonitor(window=WINDOW, on_spike=on_spike)], name=name)
+    return module, reference, records
+
+
+def test_skip_leaves_the_weights_as_they_were_and_says_so(tmp_path):
+    module, reference, records = _fit_with_action(tmp_path, "skip", "skip")
     assert [(r["step"], r["action"]) for r in records if r["kind"] == "grad_norm"] == [(SPIKE_STEP, "skipped")]
     for (n, a), (_, b) in zip(module.named_parameters(), reference.named_parameters()):
         assert torch.equal(a, b), n  # the spike's update was not applied
 
 
 def test_checkpoint_is_saved_before_the_spike_s_update(tmp_path):
-    x, y = make_batches(SPIKE_STEP + 1, 2)
-    module = SpikeLM(x, y, spike_step=SPIKE_STEP, spike_half=1)
-    reference = SpikeLM(x, y, spike_step=None)
-    fit(tmp_path, reference, [], name="ref", max_steps=SPIKE_STEP)
-    _, records = fit(tmp_path, module, [SpikeMonitor(window=WINDOW, on_spike="checkpoint")], name="ckpt")
+    _, reference, records = _fit_with_action(tmp_path, "checkpoint", "ckpt")
     grad = [r for r in records if r["kind"] == "grad_norm"]
     path = tmp_path / "ckpt" / "version_0" / "spike_checkpoints" / f"step={SPIKE_STEP}.ckpt"
     assert grad[0]["action"] == f"checkpoint {path}" and path.exists()

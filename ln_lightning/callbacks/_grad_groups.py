@@ -4,6 +4,7 @@ each gradient's squared norm crosses ranks (sharded: summed; replicated: taken o
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Callable, Mapping
 
 import torch
@@ -84,6 +85,37 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return t.to(device)
 
 
+# The last per-gradient squared norms computed, shared by the monitors that read the same step's gradients
+# (ClipAttributionMonitor and SpikeMonitor both need them at every step: one `_foreach_norm`, not two). Kept as
+# weak references and version counters: a hit needs the very same gradient tensors, unchanged since.
+_last_norms: tuple[torch.device, list, list[int], torch.Tensor] | None = None
+
+
+def grad_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared 2-norm of each gradient in `grads`, a float64 tensor on `device` (no host synchronisation).
+
+    Computed once per set of gradients: a second monitor asking for the same tensors, not modified in place
+    since (same ``_version``), gets the first one's result.
+    """
+    global _last_norms
+    last = _last_norms
+    if last is not None and last[0] == device and len(last[1]) == len(grads) and all(
+        r() is g and v == g._version for r, v, g in zip(last[1], last[2], grads)
+    ):
+        return last[3]
+    with torch.no_grad():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        sq = torch.stack([n.to(device) for n in norms]).double().square()
+    _last_norms = (device, [weakref.ref(g) for g in grads], [g._version for g in grads], sq)
+    return sq
+
+
+def forget_grad_sq() -> None:
+    """Drop the shared norms (a fit ended)."""
+    global _last_norms
+    _last_norms = None
+
+
 class Plan:
     """Per optimizer: parameter order, group of each parameter, and how its squared norm crosses ranks."""
 
@@ -124,6 +156,7 @@ class GradGroups:
             self._group_fn = self.user_fn
 
     def stop(self) -> None:
+        forget_grad_sq()
         self._plans.clear()
         self._plain_grads_sharded, self._plain_weight = False, 1.0
 
@@ -236,8 +269,5 @@ class GradGroups:
         sq = torch.zeros(2, len(plan.groups), dtype=torch.float64, device=device)
         if grads:
             slots, weights, _, _ = self.index_tensors(plan, mask, present, device, grads)
-            with torch.no_grad():
-                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-                norms = torch.stack([n.to(device) for n in norms]).double()
-                sq.view(-1).index_add_(0, slots, norms.square() * weights)
+            sq.view(-1).index_add_(0, slots, grad_sq(grads, device) * weights)
         return sq, grads, mask, present

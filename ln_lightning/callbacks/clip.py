@@ -11,7 +11,7 @@ from ln_lightning._warnings import warn
 from ln_lightning.callbacks._common import MonitorBase, metric_safe
 from ln_lightning.callbacks._grad_groups import REPLICATED as _REPLICATED
 from ln_lightning.callbacks._grad_groups import SHARDED as _SHARDED
-from ln_lightning.callbacks._grad_groups import GradGroups, GroupSpec, Plan, default_group_fn  # noqa: F401 (default_group_fn: re-exported)
+from ln_lightning.callbacks._grad_groups import GradGroups, GroupSpec, Plan, default_group_fn, grad_sq  # noqa: F401 (default_group_fn: re-exported)
 from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats
 from ln_lightning.callbacks.dashboard import STABILITY
 
@@ -159,10 +159,8 @@ class ClipAttributionMonitor(MonitorBase):
         if grads:
             slots, weights, numels, groups = self._groups.index_tensors(plan, mask, present, device, grads)
             with torch.no_grad():
-                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-                norms = torch.stack([n.to(device) for n in norms]).double()
                 sq = torch.zeros(2, n_groups, dtype=torch.float64, device=device)  # [_SHARDED | _REPLICATED] x groups
-                sq.view(-1).index_add_(0, slots, norms.square() * weights)
+                sq.view(-1).index_add_(0, slots, grad_sq(grads, device) * weights)  # the norms shared with SpikeMonitor
                 sq_sharded.copy_(sq[_SHARDED])
                 sq_replicated.copy_(sq[_REPLICATED])
                 if value_mode:

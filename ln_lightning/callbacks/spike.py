@@ -285,7 +285,7 @@ class SpikeMonitor(MonitorBase):
                 seen.add(id(module))
                 self._norm_block.append(b)
                 self._norm_specs.append(spec)
-                self._handles.append(module.register_forward_pre_hook(self._norm_hook(len(self._norm_block) - 1, spec)))
+                self._handles.append(module.register_forward_hook(self._norm_hook(len(self._norm_block) - 1, spec)))
 
     def _block_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -302,20 +302,14 @@ class SpikeMonitor(MonitorBase):
         return hook
 
     def _norm_hook(self, index: int, spec: Any):
-        dims = tuple(range(-spec.ndim, 0))
-        rms = spec.kind == "rms"
+        slot_at = 2 * len(self._block_paths) + index
 
-        def hook(module: nn.Module, args: tuple) -> None:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self._collect or not args or not isinstance(args[0], torch.Tensor) or args[0].numel() == 0:
                 return
             with torch.no_grad():
-                x = args[0].detach()
-                eps = spec.eps_for(x.dtype)
-                if rms:
-                    rstd = torch.rsqrt(x.float().square().mean(dim=dims) + eps)
-                else:  # aten's fused LayerNorm returns 1/sqrt(var + eps) per row: one pass, no variance kernel of ours
-                    rstd = torch.ops.aten.native_layer_norm(x.float(), x.shape[len(x.shape) - len(dims):], None, None, eps)[2]
-                slot = self._acts[2 * len(self._block_paths) + index : 2 * len(self._block_paths) + index + 1]
+                rstd = _norm_rstd(spec, args[0].detach(), output)
+                slot = self._acts[slot_at : slot_at + 1]
                 torch.maximum(slot, rstd.amax().to(slot), out=slot)
 
         return hook
@@ -505,6 +499,38 @@ class SpikeMonitor(MonitorBase):
 
     def _charts(self, trainer: Trainer) -> dict[str, str]:
         return {"spikes per logging window (spike/count)": r"^spike/count$", "spikes since the fit started": r"^spike/total$"}
+
+
+def _norm_rstd(spec: Any, x: torch.Tensor, output: Any) -> torch.Tensor:
+    """``1/sqrt(var + eps)`` per row of the norm input `x` (RMSNorm: ``1/sqrt(mean(x^2) + eps)``).
+
+    A LayerNorm run by aten's kernel saved exactly that for its backward: it is read from the output's autograd
+    node, at no cost, unless saved-tensor hooks (activation checkpointing, offloading) would run on reading it.
+    Otherwise it is computed, in one pass over `x`.
+    """
+    if spec.kind == "layer":
+        saved = _saved_rstd(output, spec.ndim)
+        if saved is not None:
+            return saved
+        dims = x.shape[x.dim() - spec.ndim :]
+        return torch.ops.aten.native_layer_norm(x.float(), dims, None, None, spec.eps_for(x.dtype))[2]
+    n = math.prod(x.shape[x.dim() - spec.ndim :])
+    sq = torch.linalg.vector_norm(x, 2, dim=tuple(range(-spec.ndim, 0)), dtype=torch.float32).square()
+    return torch.rsqrt(sq / n + spec.eps_for(x.dtype))
+
+
+def _saved_rstd(output: Any, ndim: int) -> torch.Tensor | None:
+    """The rstd aten's native_layer_norm saved for the backward of `output`, or None (not such an output, or
+    reading it would unpack through saved-tensor hooks: checkpointing would recompute the forward)."""
+    node = getattr(output, "grad_fn", None)
+    if node is None or type(node).__name__ != "NativeLayerNormBackward0":
+        return None
+    try:
+        if node._raw_saved_result2.unpack_hook is not None or len(node._saved_normalized_shape) != ndim:
+            return None
+        return node._saved_result2
+    except (AttributeError, RuntimeError):  # an autograd without these attributes, or the graph already freed
+        return None
 
 
 def _num(x: float) -> float | str:
