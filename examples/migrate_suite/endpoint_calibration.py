@@ -14,13 +14,14 @@ fits them, and the final norm's affine, to minimise KL(trained || model at blend
   swapped in by `torch.func.functional_call`, both in eval mode (no dropout) and under a forked random state (the
   run's random numbers, and so its dropout masks, are the unchanged run's);
 * the parameters: per scaled branch `log C_k` (a scalar, or per channel: a vector over the model width), the added
-  final norms' weight and bias; L-BFGS for a fixed number of evaluations;
+  final norms' weight and bias; L-BFGS for a fixed number of evaluations; the objective the KL at blend 1, or its mean
+  over several blends (`blends`: the path's middle too, where the stream divisors below move with the scales);
 * written back: BranchScale.c, site_before (the scalar the branch's entries divide by: the mean over channels
   when per channel), site_after (the next site's C in the same stack; a stack's last site keeps its measured
   ratio to its C) and final_scale; the final norms' weight and bias. The blend in between stays the same form.
 
 Cost, in the suite's units (forward 1, backward 2, teacher forward 1, in batches of the training batch's size):
-one teacher forward per calibration batch, and (1 + 2) per batch per L-BFGS evaluation. `EndpointCalibration` (a
+one teacher forward per calibration batch, and (1 + 2) per batch and blend per L-BFGS evaluation. `EndpointCalibration` (a
 Lightning Callback) adds it to the run's count through `spend`.
 """
 
@@ -84,10 +85,12 @@ def endpoint_kl(model: nn.Module, inputs: list[tuple], overrides: dict | None = 
 
 
 def calibrate(model: nn.Module, inputs: list[tuple], *, evals: int = 12, per_channel: bool = False,
-              spend: Callable[[float], None] | None = None, rows_of: Callable[[tuple], float] | None = None) -> dict:
+              blends: tuple[float, ...] = (1.0,), spend: Callable[[float], None] | None = None,
+              rows_of: Callable[[tuple], float] | None = None) -> dict:
     """Fit the end point's free parameters (see the module doc) on `inputs` (a list of argument tuples of the
     model's forward); returns what it did (KL at blend 1 on `inputs` before and after, evaluations, units spent).
-    `spend(units)` is called with the compute as it is spent; `rows_of(inputs)`: its size in training batches (1)."""
+    `blends`: the blends whose mean KL is minimised ((1.0,): the end point alone; (0.5, 1.0): the path's middle too,
+    whose stream divisors move with the scales). `spend(units)` is called with the compute as it is spent; `rows_of(inputs)`: its size in training batches (1)."""
     t, sites, finals = _endpoint_parts(model)
     if not sites and not finals:
         raise CalibrationError("endpoint calibration: the end point has no scaled branch and no added final norm")
@@ -124,8 +127,14 @@ def calibrate(model: nn.Module, inputs: list[tuple], *, evals: int = 12, per_cha
                     if isinstance(v, torch.Tensor):
                         leaves[f"{n}.{p}"] = v.detach().clone().requires_grad_(True)
 
+            t_name = next(n for n, m in model.named_modules() if m is t)
+            prefix = f"{t_name}." if t_name else ""
+
             def overrides() -> dict:
-                return {k: (v.exp() if k.endswith(".c") else v) for k, v in leaves.items()}
+                out = {k: (v.exp() if k.endswith(".c") else v) for k, v in leaves.items()}
+                before, after, final = _path_scales(t, {k: out[f"{n}.c"].float().mean() for k, n in sites.items()})
+                out.update({f"{prefix}site_before": before, f"{prefix}site_after": after, f"{prefix}final_scale": final})
+                return out
 
             opt = torch.optim.LBFGS(list(leaves.values()), lr=1.0, max_iter=evals, max_eval=evals, history_size=10,
                                     line_search_fn="strong_wolfe")
@@ -134,13 +143,16 @@ def calibrate(model: nn.Module, inputs: list[tuple], *, evals: int = 12, per_cha
             def closure():
                 if len(seen) >= evals:  # the line search may ask for more than max_eval: the budget is the budget
                     raise _Exhausted
-                with t.pinned(1.0):
-                    loss = sum(kl_to_teacher(logits_of(functional_call(model, overrides(), x)), ref)
-                               for x, ref in zip(inputs, teacher)) / len(inputs)
+                over = overrides()
+                loss = 0.0
+                for a in blends:
+                    with t.pinned(a):
+                        loss = loss + sum(kl_to_teacher(logits_of(functional_call(model, over, x)), ref)
+                                          for x, ref in zip(inputs, teacher)) / (len(inputs) * len(blends))
                 grads = torch.autograd.grad(loss, list(leaves.values()))
                 for v, g in zip(leaves.values(), grads):
                     v.grad = g
-                pay(3 * size)  # forward 1 + backward 2 per batch
+                pay(3 * size * len(blends))  # forward 1 + backward 2 per batch and blend
                 seen.append((float(loss.detach()), {k: v.detach().clone() for k, v in overrides().items()}))
                 return loss.detach()
 
@@ -171,9 +183,32 @@ def _width_of(model: nn.Module, t, k: int) -> int:
     raise CalibrationError("endpoint calibration per channel: no norm with a weight at the site to read the width from")
 
 
+def _path_scales(t, c_of: dict[int, torch.Tensor]):
+    """The transition's stream divisors for branch scales `c_of` (site -> its C, a 0-dim tensor; the others keep
+    theirs), differentiably: site_before[k] = C_k; site_after[k] = the next site's C in its stack (a stack's last keeps
+    its measured ratio to its C); an added final norm reads its stack's last after-scale."""
+    n = len(t.sites)
+    old_b, old_a = t.site_before.detach(), t.site_after.detach()
+    before = [c_of[k].reshape(()).to(old_b) if k in c_of else old_b[k] for k in range(n)]
+    after = list(old_a.unbind(0)) if n else []
+    stacks: dict[str, list[int]] = {}
+    for k in range(n):
+        stacks.setdefault(t.site_stack[k], []).append(k)
+    last_after = {}
+    for slots in stacks.values():
+        for i, k in enumerate(slots):
+            if i + 1 < len(slots):
+                after[k] = before[slots[i + 1]]
+            else:
+                after[k] = old_a[k] * before[k] / old_b[k]
+                last_after[float(old_a[k])] = after[k]
+    finals = [last_after.get(float(v), v) for v in t.final_scale.detach().unbind(0)] if t.final_scale.numel() else []
+    stack = lambda xs, like: torch.stack(xs) if xs else like.detach().clone()  # noqa: E731
+    return stack(before, t.site_before), stack(after, t.site_after), stack(finals, t.final_scale)
+
+
 @torch.no_grad()
 def _write_back(model, t, sites: dict, finals: dict, fitted: dict, per_channel: bool) -> None:
-    new_before = t.site_before.clone()
     for k, name in sites.items():
         c = fitted[f"{name}.c"]
         scale = t.sites[k]
@@ -181,27 +216,8 @@ def _write_back(model, t, sites: dict, finals: dict, fitted: dict, per_channel: 
             scale._buffers["c"] = c.to(scale.c)  # (a persistent buffer: a vector now)
         else:
             scale.c.copy_(c.reshape(()))
-        new_before[k] = c.float().mean()
-    # site_after[k]: the stream scale after site k (the next site's C in its stack; the last keeps its measured ratio)
-    old_before, old_after = t.site_before.clone(), t.site_after.clone()
-    new_after = old_after.clone()
-    stacks: dict[str, list[int]] = {}
-    for k in range(len(t.sites)):
-        stacks.setdefault(t.site_stack[k], []).append(k)
-    last_after = {}
-    for key, slots in stacks.items():
-        for i, k in enumerate(slots):
-            if i + 1 < len(slots):
-                new_after[k] = new_before[slots[i + 1]]
-            else:
-                new_after[k] = old_after[k] * new_before[k] / old_before[k]
-                last_after[float(old_after[k])] = new_after[k]
-    for f in range(t.final_scale.numel()):  # an added final norm reads its stack's last site's after-scale
-        v = last_after.get(float(t.final_scale[f]))
-        if v is not None:
-            t.final_scale[f] = v
-    t.site_before.copy_(new_before)
-    t.site_after.copy_(new_after)
+    for buf in ("site_before", "site_after", "final_scale"):
+        getattr(t, buf).copy_(next(v for k, v in fitted.items() if k.rpartition(".")[2] == buf or k == buf))
     for n, m in finals.items():
         for p in ("weight", "bias"):
             key = f"{n}.{p}"
@@ -215,12 +231,13 @@ class EndpointCalibration(Callback):
     forward pre-hook on the LightningModule inside training_step). `spend(units)`: the run's compute counter.
     `budget_left()`: the compute the run can still give it; the evaluations are cut to fit (fewer than two: not calibrated, with the reason)."""
 
-    def __init__(self, batches: int = 2, evals: int = 12, per_channel: bool = False, spend: Callable[[float], None] | None = None,
+    def __init__(self, batches: int = 2, evals: int = 12, per_channel: bool = False, blends: tuple[float, ...] = (1.0,),
+                 spend: Callable[[float], None] | None = None,
                  heldout: Callable[[nn.Module], float] | None = None,
                  budget_left: Callable[[], float] | None = None):
         self.budget_left = budget_left  # the units the run may still spend on calibration (None: no limit)
         self.heldout = heldout  # a diagnostic (not counted): the held-out loss, taken at blend 1 before and after
-        self.batches, self.evals, self.per_channel, self.spend = batches, evals, per_channel, spend
+        self.batches, self.evals, self.per_channel, self.blends, self.spend = batches, evals, per_channel, tuple(blends), spend
         self.inputs: list[tuple] = []
         self.results: list[dict] = []
         self._handle = None
@@ -249,12 +266,13 @@ class EndpointCalibration(Callback):
                         diag["heldout_a1_before"] = self.heldout(pl_module)
                 evals = self.evals
                 if self.budget_left is not None:  # a teacher forward per batch, then (1 + 2) per batch per evaluation
-                    evals = min(evals, int((self.budget_left() - len(self.inputs)) // (3 * len(self.inputs))))
+                    evals = min(evals, int((self.budget_left() - len(self.inputs)) // (3 * len(self.inputs) * len(self.blends))))
                 try:
                     if evals < 2:
                         raise CalibrationError(f"endpoint calibration: the run's compute left ({self.budget_left():.0f} units) "
                                                "does not pay for two evaluations")
-                    r = calibrate(pl_module, list(self.inputs), evals=evals, per_channel=self.per_channel, spend=self.spend)
+                    r = calibrate(pl_module, list(self.inputs), evals=evals, per_channel=self.per_channel, blends=self.blends,
+                                  spend=self.spend)
                 except CalibrationError as e:
                     r = {"error": str(e)}
                 if self.heldout is not None:
