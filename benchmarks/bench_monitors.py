@@ -123,26 +123,32 @@ class MonitorClock:
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
+        self.by_monitor: dict[str, dict[int, float]] = {}  # the same, per monitor class
         self.trainer = None
 
-    def timed(self, fn):
+    def timed(self, fn, owner: str):
+        mine = self.by_monitor.setdefault(owner, {})
+
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 step = self.trainer.global_step if self.trainer is not None else -1
-                self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                self.seconds[step] = self.seconds.get(step, 0.0) + spent
+                mine[step] = mine.get(step, 0.0) + spent
 
         return wrapper
 
     def attach(self, mon) -> None:
+        owner = type(mon).__name__
         for name in ("on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step", "on_before_backward", "on_train_end"):
-            setattr(mon, name, self.timed(getattr(mon, name)))
+            setattr(mon, name, self.timed(getattr(mon, name), owner))
         for factory in ("_make_hook", "_block_hook", "_norm_hook"):  # the activation monitors' and SpikeMonitor's hooks
             if hasattr(mon, factory):
                 make = getattr(mon, factory)
-                setattr(mon, factory, lambda *a, _make=make, **k: self.timed(_make(*a, **k)))
+                setattr(mon, factory, lambda *a, _make=make, **k: self.timed(_make(*a, **k), owner))
 
 
 def monitors(clock: MonitorClock | None = None):
@@ -249,6 +255,10 @@ def main(argv=None) -> None:
           f"{step_total / (step_total - inside):.4f} (steps without that time); target <= 1.03: "
           f"{'PASS' if step_total / (step_total - inside) <= 1.03 else 'FAIL'}")
     result["inside_ms_per_step"] = 1e3 * inside / len(on_steps)
+    per_monitor = {name: 1e3 * sum(sec.get(s_, 0.0) for s_ in on_steps) / len(on_steps) for name, sec in clock.by_monitor.items()}
+    print("  of which, per step: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in per_monitor.items())
+          + " (wall time: a step's share of the machine's other load lands in it too)")
+    result["inside_ms_per_step_by_monitor"] = per_monitor
     result["attributed_ratio"] = step_total / (step_total - inside)
 
     # Host synchronisations: an untimed fit with the torch-call recorder.

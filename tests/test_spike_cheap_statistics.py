@@ -5,12 +5,13 @@ ClipAttributionMonitor and SpikeMonitor together, and recomputed when the gradie
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from ln_lightning.callbacks import _grad_groups
+from ln_lightning.callbacks import SpikeMonitor, _grad_groups, spike
 from ln_lightning.callbacks._grad_groups import grad_sq
 from ln_lightning.callbacks.spike import _norm_rstd
 from ln_lightning.norm import recognize_norm
@@ -108,3 +109,41 @@ def test_gradient_norms_are_computed_once_for_the_same_gradients_and_again_when_
     fresh = [g.clone() for g in grads]  # other tensors (the next step's gradients), even with equal values
     assert grad_sq(fresh, torch.device("cpu")) is not grad_sq(grads, torch.device("cpu"))
     _grad_groups.forget_grad_sq()
+
+
+# ---------------------------------------------------------------------------------------------
+# The record buffer: one row per step, read at the logging step; its size changes no record
+# ---------------------------------------------------------------------------------------------
+def _records_of(tmp_path, name, **monitor_kw):
+    from test_spike_monitor import (
+        N_STEPS,
+        SPIKE_STEP,
+        WINDOW,
+        SpikeLM,
+        fit,
+        make_batches,
+    )
+
+    x, y = make_batches(N_STEPS, 2)
+    module = SpikeLM(x, y, spike_step=SPIKE_STEP, spike_half=1, spike_block=2)
+    _, records = fit(tmp_path, module, [SpikeMonitor(window=WINDOW, **monitor_kw)], name=name)
+    return records
+
+
+def test_a_window_outgrowing_the_row_buffer_or_overflowing_records_loses_nothing_silently(tmp_path, monkeypatch):
+    reference = _records_of(tmp_path, "reference")
+    assert [(r["step"], r["kind"]) for r in reference] == [(30, "grad_norm"), (31, "loss")]  # two spikes, two steps
+    first_size = SpikeMonitor._row_buffer
+    # A buffer of 2 rows at fit start, one window of 40 steps: it doubles as they arrive (2, 4, ..., 64), the spikes'
+    # rows (30, 31) copied along.
+    monkeypatch.setattr(SpikeMonitor, "_row_buffer", lambda self, cap, device: first_size(self, cap if self._rows else 2, device))
+    assert _records_of(tmp_path, "grown", every_n_steps=1000) == reference
+    monkeypatch.undo()
+    # More steps without a logging step than the device keeps: read early, the same records.
+    monkeypatch.setattr(spike, "_MAX_ROWS", 4)
+    assert _records_of(tmp_path, "early", every_n_steps=1000) == reference
+    monkeypatch.undo()
+    # More spikes in a window than max_records: the first ones recorded, all counted, and a warning says so.
+    with pytest.warns(UserWarning, match="recorded the first 1"):
+        capped = _records_of(tmp_path, "capped", max_records=1, every_n_steps=1000)
+    assert len(reference) > 1 and capped == reference[:1]

@@ -15,7 +15,7 @@ from torch import nn
 
 from ln_lightning._warnings import info, warn
 from ln_lightning.callbacks._common import MonitorBase, discover_blocks, first_tensor, resolve_paths
-from ln_lightning.callbacks._grad_groups import SHARDED, GradGroups, GroupSpec
+from ln_lightning.callbacks._grad_groups import SHARDED, GradGroups, GroupSpec, to_device
 from ln_lightning.callbacks._lightning_internals import batch_ends_optimizer_step, logging_step
 from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats, distributed_world, read_to_host
 from ln_lightning.callbacks.dashboard import STABILITY, write_text
@@ -27,9 +27,10 @@ KINDS = ("loss", "grad_norm")
 _ACTIONS = (None, "skip", "checkpoint")
 # Which rule flagged a value: bits of the record's rule code.
 _SIGMA, _RATIO, _NONFINITE = 1, 2, 4
-# Columns of a record's "meta" row.
-_META = ("step", "kind", "value", "code", "mean", "std", "running_max", "n_window")
+# Per kind, the columns of a step's row in the record buffer.
+_META = ("value", "code", "mean", "std", "running_max", "n_window")
 JSONL_NAME = "ln_spikes.jsonl"
+_MAX_ROWS = 1 << 16  # steps kept on the device between two reads of the records (memory bound: a few MB)
 
 
 class SpikeRules:
@@ -110,10 +111,17 @@ class SpikeMonitor(MonitorBase):
     over every micro-batch on every rank. ``spike/count`` (spikes in the logging window) and ``spike/total``
     (since the fit started) are logged as scalars at each logging step.
 
-    Host reads: detection, the records and their statistics stay on the device; the records are read, and
+    Host reads: detection, the records and their statistics stay on the device (one small row per step: its
+    values, rule codes, baselines, group squares and block statistics); the rows are read, and the flagged ones
     written, at the next logging step (one host copy, with the step they happened at) and at the end of the fit.
-    So a step that does not log costs no host read, a spike step included. An action (``on_spike``) must know at
-    once: with one, the monitor reads the step's two flags every step (one small host copy per step).
+    So a step that does not log costs no host read, a spike step included (after 65536 steps without a logging
+    step, the rows are read then). An action (``on_spike``) must know at once: with one, the monitor reads the
+    step's two flags every step (one small host copy per step).
+
+    Cost per step: the block statistics are one norm of each block's output and, for a LayerNorm run by aten's
+    kernel, the ``1/sqrt(var + eps)`` it saved for its backward (read, not recomputed; recomputed in one pass
+    where saved-tensor hooks, as activation checkpointing's, would run on reading it, and for other norms); the
+    gradient norms are one ``_foreach_norm``, shared with ``ClipAttributionMonitor`` when both run.
 
     Args:
         kinds: what to watch, any of ``"loss"`` and ``"grad_norm"``.
@@ -196,14 +204,25 @@ class SpikeMonitor(MonitorBase):
         self._group_names: list[str] = []
         self._group_index: dict[int, torch.Tensor] = {}  # id(optimizer) -> its plan's groups in _group_names
         self._rules: SpikeRules | None = None
-        self._records: PackedStats | None = None
-        self._acts: torch.Tensor | None = None  # this step's block statistics: sq (B), n (B), max amplification (N)
-        self._acts_initial: torch.Tensor | None = None
+        # One row per judged step since the records were last read (grown when a window outlasts it): the step's
+        # values, rule codes and baselines, group squares and block statistics; the host keeps which step it is.
+        self._rows: PackedStats | None = None
+        self._row_steps: list[int] = []
+        self._row_numel: list[list[int]] = []  # per row, the elements each block's outputs held (host-known)
+        # This step's block statistics, as the hooks leave them: one 0-d tensor per call and the block or norm
+        # it came from; combined once, at the judgement.
+        self._block_norms: list[torch.Tensor] = []
+        self._block_ids: list[int] = []
+        self._block_numel: list[int] = []
+        self._amps: list[torch.Tensor] = []
+        self._amp_ids: list[int] = []
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._nan: torch.Tensor | None = None
         self._loss: torch.Tensor | None = None
         self._gsq: torch.Tensor | None = None  # this step's squared gradient norms, (2, groups)
         self._saw_loss = self._saw_grads = False
         self._collect = self._paused = False
-        self._pending = 0  # steps judged since the records were last read
+        self._pending = 0  # steps judged since the records were last read (rows used)
         self._total = 0
         self._actions: dict[int, str] = {}
         self._warned_loss = False
@@ -236,23 +255,25 @@ class SpikeMonitor(MonitorBase):
         for optimizer in trainer.optimizers:
             self._index_of(pl_module, optimizer, device)
         self._rules = SpikeRules(len(KINDS), self.window, self.sigma, self.ratio, self.warmup, device)
-        n_b, n_n, cap = len(self._block_paths), len(self._norm_block), self.max_records + 1  # the last row: overflow
-        records = PackedStats(device)
-        records.add_state("meta", (cap, len(_META)), MAX)  # the same on every rank
-        records.add_state("groups", (cap, max(1, len(names))), MAX)  # the same on every rank (reduced at the step)
-        records.add_state("block_sq", (cap, n_b), SUM)
-        records.add_state("block_n", (cap, n_b), SUM)
-        records.add_state("norm_amp", (cap, n_n), MAX)  # the largest 1/sqrt(var + eps) over rows
-        records.add_state("count", 1, MAX, default=0.0)
-        records.reset()
-        self._records = records
-        self._acts_initial = torch.cat([torch.zeros(2 * n_b, dtype=torch.float64, device=device),
-                                        torch.full((n_n,), float("-inf"), dtype=torch.float64, device=device)])
-        self._acts = self._acts_initial.clone()
+        self._rows = self._row_buffer(max(2, self._every + 1), device)
+        self._row_steps, self._row_numel = [], []
+        self._block_numel = [0] * len(self._block_paths)
         self._loss = torch.zeros((), dtype=torch.float64, device=device)
         self._gsq = torch.zeros(2, max(1, len(names)), dtype=torch.float64, device=device)
+        self._nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
         self._masks = {(a, b): torch.tensor([float(a and "loss" in self.kinds), float(b and "grad_norm" in self.kinds)],
                                             dtype=torch.float64).to(device) for a in (False, True) for b in (False, True)}
+
+    def _row_buffer(self, cap: int, device: torch.device) -> PackedStats:
+        n_b, n_n = len(self._block_paths), len(self._norm_block)
+        rows = PackedStats(device)
+        # Values, codes, baselines and group squares are the same on every rank (judged after the step's
+        # all-reduce); the blocks' squares and sizes add up over ranks; the norms' amplification is a maximum.
+        rows.add_state("same", (cap, len(KINDS) * len(_META) + max(1, len(self._group_names)) + n_n), MAX)
+        rows.add_state("block_sq", (cap, n_b), SUM)
+        rows.add_state("block_n", (cap, n_b), SUM)
+        rows.reset()
+        return rows
 
     def _stop(self) -> None:
         while getattr(self, "_handles", None):
@@ -294,23 +315,20 @@ class SpikeMonitor(MonitorBase):
             out = first_tensor(output)
             if out is None:
                 return
-            with torch.no_grad():
-                y = out.detach()
-                self._acts[index] += torch.linalg.vector_norm(y, dtype=torch.float32).double().square()
-                self._acts[len(self._block_paths) + index] += y.numel()
+            with torch.no_grad():  # one op; summed with the step's others at the judgement
+                self._block_norms.append(torch.linalg.vector_norm(out.detach(), dtype=torch.float32))
+            self._block_ids.append(index)
+            self._block_numel[index] += out.numel()
 
         return hook
 
     def _norm_hook(self, index: int, spec: Any):
-        slot_at = 2 * len(self._block_paths) + index
-
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self._collect or not args or not isinstance(args[0], torch.Tensor) or args[0].numel() == 0:
                 return
             with torch.no_grad():
-                rstd = _norm_rstd(spec, args[0].detach(), output)
-                slot = self._acts[slot_at : slot_at + 1]
-                torch.maximum(slot, rstd.amax().to(slot), out=slot)
+                self._amps.append(_norm_rstd(spec, args[0].detach(), output).amax())
+            self._amp_ids.append(index)
 
         return hook
 
@@ -333,7 +351,8 @@ class SpikeMonitor(MonitorBase):
         if not self._enabled or self._rules is None:
             return
         if self._step != previous:  # the step's first micro-batch: start its statistics afresh
-            self._acts.copy_(self._acts_initial)
+            self._block_norms, self._block_ids, self._amps, self._amp_ids = [], [], [], []
+            self._block_numel = [0] * len(self._block_paths)
             self._loss.zero_()
             self._gsq.zero_()
             self._saw_loss = self._saw_grads = False
@@ -384,11 +403,13 @@ class SpikeMonitor(MonitorBase):
             warn("SpikeMonitor saw no loss at this step (no backward went through Lightning: call "
                  "self.manual_backward(loss) under manual optimisation); the loss is not judged then.")
         group_sq = gsq.sum(dim=0)
-        nan = torch.full((), float("nan"), dtype=torch.float64, device=loss.device)
+        nan = self._nan
         values = torch.stack([loss if self._saw_loss else nan, group_sq.sum().sqrt() if self._saw_grads else nan])
         judged = self._rules.update(values)
         # Judged only where watched and measured at this step (precomputed masks: no host->device copy per step).
         code = judged["code"] * self._masks[(self._saw_loss, self._saw_grads)]
+        if self._pending >= _MAX_ROWS:  # so many steps without a logging step (log_every_n_steps=0): read them now
+            self._flush(trainer, step, log_scalars=False)
         self._record(step, values, code, judged, group_sq)
         self._pending += 1
         if self.on_spike is not None:
@@ -397,23 +418,37 @@ class SpikeMonitor(MonitorBase):
                 self._act(trainer, pl_module, optimizer, step)
 
     def _record(self, step: int, values: torch.Tensor, code: torch.Tensor, judged: dict, group_sq: torch.Tensor) -> None:
-        rec = self._records
-        count = rec["count"]
-        step_t = torch.full((), float(step), dtype=torch.float64, device=values.device)
-        for k in range(len(KINDS)):
-            flag = code[k] > 0
-            slot = count.clamp(max=self.max_records).long()  # the last row takes what overflows
-            meta = torch.stack([step_t, torch.full_like(step_t, k), values[k], code[k], judged["mean"][k],
-                                judged["std"][k], judged["running_max"][k], judged["n_window"][k]])
-            n_b = len(self._block_paths)
-            for name, row in (("meta", meta), ("groups", group_sq), ("block_sq", self._acts[:n_b]),
-                              ("block_n", self._acts[n_b : 2 * n_b]), ("norm_amp", self._acts[2 * n_b :])):
-                target = rec[name]
-                if target.shape[1] == 0:
-                    continue
-                old = target.index_select(0, slot)
-                target.index_copy_(0, slot, torch.where(flag, row.to(target).view(1, -1), old))
-            count += flag
+        """Write the step's row: every step's, flagged or not (the host picks the flagged ones when it reads them)."""
+        if self._pending == self._rows["same"].shape[0]:  # a window longer than the buffer: double it
+            old = self._rows
+            self._rows = self._row_buffer(2 * self._pending, old.device)
+            for name in ("same", "block_sq", "block_n"):
+                self._rows[name][: self._pending].copy_(old[name])
+        row = self._pending
+        n_b = len(self._block_paths)
+        meta = torch.stack([values, code, judged["mean"], judged["std"], judged["running_max"], judged["n_window"]], dim=1)
+        parts = [meta.view(-1), group_sq]
+        if self._norm_block:
+            amp = torch.full((len(self._norm_block),), float("-inf"), dtype=torch.float64, device=values.device)
+            if self._amps:
+                amp.scatter_reduce_(0, self._index(self._amp_ids, values.device), torch.stack(self._amps).to(amp), "amax")
+            parts.append(amp)
+        torch.cat(parts, out=self._rows["same"][row])
+        if n_b and self._block_norms:
+            norms = torch.stack(self._block_norms).double().square()
+            self._rows["block_sq"][row].index_add_(0, self._index(self._block_ids, values.device), norms)
+        self._row_steps.append(step)
+        self._row_numel.append(list(self._block_numel))
+
+    def _index(self, ids: list[int], device: torch.device) -> torch.Tensor:
+        """`ids` as a device index, cached: a step calls the same modules in the same order as the last."""
+        key = tuple(ids)
+        idx = self._index_cache.get(key)
+        if idx is None:
+            if len(self._index_cache) > 64:  # call patterns that keep changing: keep the cache small
+                self._index_cache.clear()
+            idx = self._index_cache[key] = to_device(ids, torch.long, device)
+        return idx
 
     def _act(self, trainer: Trainer, pl_module: LightningModule, optimizer, step: int) -> None:
         if self.on_spike == "checkpoint":
@@ -439,16 +474,22 @@ class SpikeMonitor(MonitorBase):
             self._flush(trainer, logging_step(trainer), log_scalars=False)
 
     def _flush(self, trainer: Trainer, step: int, log_scalars: bool = True) -> None:
-        if self._records is None:
+        if self._rows is None:
             return
-        host = self._records.reduce_to_host(across_ranks=trainer.world_size > 1)
-        self._records.reset()
+        used = self._pending
+        if used and self._block_paths:  # the blocks' sizes, known on the host, join the rows for the reduction
+            self._rows["block_n"][:used].copy_(torch.tensor(self._row_numel, dtype=torch.float64))
+        host = self._rows.reduce_to_host(across_ranks=trainer.world_size > 1)
+        self._rows.reset()
+        steps, self._row_steps, self._row_numel = self._row_steps, [], []
         self._pending = 0
-        count = int(host["count"][0])
+        width = len(_META)
+        flagged = [(r, k) for r in range(used) for k in range(len(KINDS)) if host["same"][r][k * width + 1] > 0]
+        count = len(flagged)
         self._total += count
         if not trainer.is_global_zero:
             return
-        records = [self._describe(host, r) for r in range(min(count, self.max_records))]
+        records = [self._describe(host, r, k, steps[r]) for r, k in flagged[: self.max_records]]
         if count > self.max_records:
             warn(f"SpikeMonitor: {count} spikes in the logging window ending at step {step}; recorded the first "
                  f"{self.max_records} (raise max_records, or log more often, to keep them all).")
@@ -466,8 +507,10 @@ class SpikeMonitor(MonitorBase):
         if log_scalars:
             self._log(trainer, {"spike/count": float(count), "spike/total": float(self._total)}, step)
 
-    def _describe(self, host: dict, r: int) -> dict:
-        meta = dict(zip(_META, host["meta"][r]))
+    def _describe(self, host: dict, r: int, k: int, step: int) -> dict:
+        """The record of kind `k` at row `r` (step `step`) of the reduced rows."""
+        same, width, n_g = host["same"][r], len(_META), max(1, len(self._group_names))
+        meta = dict(zip(_META, same[k * width : (k + 1) * width]))
         code = int(meta["code"])
         rule = "nonfinite" if code & _NONFINITE else "sigma" if code & _SIGMA else "ratio"
         if rule == "sigma":
@@ -476,20 +519,20 @@ class SpikeMonitor(MonitorBase):
             baseline, threshold = meta["running_max"], self.ratio * meta["running_max"]
         else:
             baseline, threshold = meta["mean"], float("nan")
-        sq = host["groups"][r] if self._group_names else []
+        at = len(KINDS) * width
+        sq = same[at : at + len(self._group_names)]
         total = sum(sq)
         shares = sorted(((g, s / total) for g, s in zip(self._group_names, sq)), key=lambda t: -t[1]) \
             if total > 0 and math.isfinite(total) else []
         blocks = []
-        norm_amp = host["norm_amp"][r] if self._norm_block else []
+        norm_amp = same[at + n_g :]
         for b, path in enumerate(self._block_paths):
             n = host["block_n"][r][b]
             amps = [a for a, nb in zip(norm_amp, self._norm_block) if nb == b and a != float("-inf")]
             blocks.append({"block": path, "stream_rms": math.sqrt(host["block_sq"][r][b] / n) if n > 0 else None,
                            "amp_max": max(amps) if amps else None})
-        step = int(meta["step"])
         return {
-            "step": step, "kind": KINDS[int(meta["kind"])], "rule": rule,
+            "step": step, "kind": KINDS[k], "rule": rule,
             "rules": [name for bit, name in ((_SIGMA, "sigma"), (_RATIO, "ratio"), (_NONFINITE, "nonfinite")) if code & bit],
             "value": _num(meta["value"]), "baseline": _num(baseline), "threshold": _num(threshold),
             "std": _num(meta["std"]), "running_max": _num(meta["running_max"]), "n_window": int(meta["n_window"]),
