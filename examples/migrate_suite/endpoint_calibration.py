@@ -256,6 +256,10 @@ class EndpointCalibration(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         t = transition.active(pl_module)
+        if t is None and not self._done:  # never a silent no-op: the run says why it was not calibrated
+            self._done = True
+            self.results.append({"step": trainer.global_step, "blend": None, "error": "endpoint calibration: the transition "
+                                 f"ended (or never started) before batch {self.batches}, where calibration would run"})
         if t is not None and not t.needs_measurement and t.scaled and len(self.inputs) >= self.batches:
             a = float(t.blend)
             if not self._done:
@@ -286,6 +290,10 @@ class EndpointCalibration(Callback):
         self._in_step = False
 
     def on_train_end(self, trainer, pl_module):
+        if not self._done:
+            self._done = True
+            self.results.append({"step": trainer.global_step, "blend": None,
+                                 "error": f"endpoint calibration: the fit ended before batch {self.batches}"})
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
