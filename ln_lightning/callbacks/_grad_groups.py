@@ -3,6 +3,7 @@ each gradient's squared norm crosses ranks (sharded: summed; replicated: taken o
 
 from __future__ import annotations
 
+import operator
 import re
 import weakref
 from typing import Callable, Mapping
@@ -184,7 +185,7 @@ class GradGroups:
     def plan_for(self, pl_module: LightningModule, optimizer) -> Plan:
         plan = self._plans.get(id(optimizer))
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        if plan is not None and len(plan.params) == len(params) and all(a is b for a, b in zip(plan.params, params)):
+        if plan is not None and len(plan.params) == len(params) and all(map(operator.is_, plan.params, params)):
             return plan
         names_by_id = {id(p): normalize_name(n, pl_module) for n, p in pl_module.named_parameters(remove_duplicate=False)}
         group_names, group_of = [], []

@@ -30,6 +30,7 @@ _SIGMA, _RATIO, _NONFINITE = 1, 2, 4
 # Per kind, the columns of a step's row in the record buffer.
 _META = ("value", "code", "mean", "std", "running_max", "n_window")
 JSONL_NAME = "ln_spikes.jsonl"
+_foreach_max = getattr(torch, "_foreach_max", None)  # torch >= 2.5
 _MAX_ROWS = 1 << 16  # steps kept on the device between two reads of the records (memory bound: a few MB)
 
 
@@ -61,23 +62,24 @@ class SpikeRules:
         ``code`` (rule bits, 0 = no spike), ``mean``, ``std``, ``running_max`` (the baselines judged against)
         and ``n_window`` (finite values in the window)."""
         v = values.to(self.history)
-        h = self.history
-        finite_h = torch.isfinite(h)
-        n = finite_h.sum(dim=1).to(torch.float64)
-        mean = torch.where(finite_h, h, 0.0).sum(dim=1) / n.clamp(min=1)
-        var = torch.where(finite_h, (h - mean[:, None]).square(), 0.0).sum(dim=1) / (n - 1).clamp(min=1)
+        h = self.history  # NaN where no finite value
+        finite_h = ~torch.isnan(h)
+        n = finite_h.sum(dim=1, dtype=torch.float64)
+        mean = h.nansum(dim=1) / n.clamp(min=1)
+        var = (h - mean[:, None]).square().nansum(dim=1) / (n - 1).clamp(min=1)
         std = var.sqrt()
         finite = torch.isfinite(v)
-        code = torch.zeros_like(v)
+        flags = torch.zeros_like(v)
         if self.sigma is not None:
-            code += _SIGMA * (finite & (n >= max(2, self.warmup)) & (v - mean > self.sigma * std))
+            flags += _SIGMA * ((n >= max(2, self.warmup)) & (v - mean > self.sigma * std))
         if self.ratio is not None:
-            code += _RATIO * (finite & (self.n_finite >= max(1, self.warmup)) & (v > self.ratio * self.running_max))
-        code += _NONFINITE * ~finite
-        out = {"code": code, "mean": mean, "std": std, "running_max": self.running_max.clone(), "n_window": n}
-        pos = self.updates % self.window
-        self.history[:, pos] = torch.where(finite, v, float("nan"))
-        self.running_max = torch.where(finite, torch.maximum(self.running_max, v), self.running_max)
+            flags += _RATIO * ((self.n_finite >= max(1, self.warmup)) & (v > self.ratio * self.running_max))
+        code = torch.where(finite, flags, float(_NONFINITE))
+        # running_max is replaced below, never changed in place: the judged baseline needs no copy.
+        out = {"code": code, "mean": mean, "std": std, "running_max": self.running_max, "n_window": n}
+        kept = torch.where(finite, v, float("nan"))
+        self.history[:, self.updates % self.window] = kept
+        self.running_max = torch.fmax(self.running_max, kept)  # fmax: a NaN (non-finite value) leaves it as it was
         self.n_finite += finite
         self.updates += 1
         return out
@@ -214,7 +216,8 @@ class SpikeMonitor(MonitorBase):
         self._block_norms: list[torch.Tensor] = []
         self._block_ids: list[int] = []
         self._block_numel: list[int] = []
-        self._amps: list[torch.Tensor] = []
+        self._amp_pending: list[torch.Tensor] = []  # rstd per row, until the micro-batch's backward
+        self._amps: list[torch.Tensor] = []  # their maxima, one 1-d tensor per micro-batch
         self._amp_ids: list[int] = []
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._nan: torch.Tensor | None = None
@@ -253,7 +256,7 @@ class SpikeMonitor(MonitorBase):
                     names.append(g)
         self._group_names = names
         for optimizer in trainer.optimizers:
-            self._index_of(pl_module, optimizer, device)
+            self._index_of(self._groups.plan_for(pl_module, optimizer), optimizer, device)
         self._rules = SpikeRules(len(KINDS), self.window, self.sigma, self.ratio, self.warmup, device)
         self._rows = self._row_buffer(max(2, self._every + 1), device)
         self._row_steps, self._row_numel = [], []
@@ -315,8 +318,8 @@ class SpikeMonitor(MonitorBase):
             out = first_tensor(output)
             if out is None:
                 return
-            with torch.no_grad():  # one op; summed with the step's others at the judgement
-                self._block_norms.append(torch.linalg.vector_norm(out.detach(), dtype=torch.float32))
+            # One op on a detached tensor (no graph, so no no_grad() needed); summed with the step's others later.
+            self._block_norms.append(torch.linalg.vector_norm(out.detach(), dtype=torch.float32))
             self._block_ids.append(index)
             self._block_numel[index] += out.numel()
 
@@ -326,14 +329,13 @@ class SpikeMonitor(MonitorBase):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self._collect or not args or not isinstance(args[0], torch.Tensor) or args[0].numel() == 0:
                 return
-            with torch.no_grad():
-                self._amps.append(_norm_rstd(spec, args[0].detach(), output).amax())
+            self._amp_pending.append(_norm_rstd(spec, args[0], output))
             self._amp_ids.append(index)
 
         return hook
 
-    def _index_of(self, pl_module: LightningModule, optimizer, device: torch.device) -> torch.Tensor:
-        plan = self._groups.plan_for(pl_module, optimizer)
+    def _index_of(self, plan, optimizer, device: torch.device) -> torch.Tensor:
+        """Where `optimizer`'s groups (its `plan`) sit in this monitor's groups, as a device index."""
         idx = self._group_index.get(id(optimizer))
         if idx is None or idx.numel() != len(plan.groups):
             for g in plan.groups:  # an optimizer not in trainer.optimizers, or whose parameters changed
@@ -351,7 +353,7 @@ class SpikeMonitor(MonitorBase):
         if not self._enabled or self._rules is None:
             return
         if self._step != previous:  # the step's first micro-batch: start its statistics afresh
-            self._block_norms, self._block_ids, self._amps, self._amp_ids = [], [], [], []
+            self._block_norms, self._block_ids, self._amps, self._amp_pending, self._amp_ids = [], [], [], [], []
             self._block_numel = [0] * len(self._block_paths)
             self._loss.zero_()
             self._gsq.zero_()
@@ -366,6 +368,8 @@ class SpikeMonitor(MonitorBase):
         self._collect, self._paused = self._paused, False
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._amp_pending:
+            self._reduce_amps()
         if self._enabled and self._rules is not None and trainer.training:
             self._loss += loss.detach().to(self._loss)
             self._saw_loss = True
@@ -375,7 +379,7 @@ class SpikeMonitor(MonitorBase):
             return
         plan = self._groups.plan_for(pl_module, optimizer)
         sq, _, _, _ = self._groups.group_sq(plan, self._gsq.device)
-        self._gsq.index_add_(1, self._index_of(pl_module, optimizer, self._gsq.device), sq)
+        self._gsq.index_add_(1, self._index_of(plan, optimizer, self._gsq.device), sq)
         self._saw_grads = True
         if len(trainer.optimizers) <= 1:  # one optimizer: judge now, before its update (an action can still act)
             self._judge(trainer, pl_module, optimizer)
@@ -430,8 +434,10 @@ class SpikeMonitor(MonitorBase):
         parts = [meta.view(-1), group_sq]
         if self._norm_block:
             amp = torch.full((len(self._norm_block),), float("-inf"), dtype=torch.float64, device=values.device)
+            if self._amp_pending:
+                self._reduce_amps()
             if self._amps:
-                amp.scatter_reduce_(0, self._index(self._amp_ids, values.device), torch.stack(self._amps).to(amp), "amax")
+                amp.scatter_reduce_(0, self._index(self._amp_ids, values.device), torch.cat(self._amps).to(amp), "amax")
             parts.append(amp)
         torch.cat(parts, out=self._rows["same"][row])
         if n_b and self._block_norms:
@@ -439,6 +445,17 @@ class SpikeMonitor(MonitorBase):
             self._rows["block_sq"][row].index_add_(0, self._index(self._block_ids, values.device), norms)
         self._row_steps.append(step)
         self._row_numel.append(list(self._block_numel))
+
+    def _reduce_amps(self) -> None:
+        """The pending rstd tensors' maxima, in one op. They wait for the micro-batch's end (not the step's: under
+        gradient accumulation they would add up): a rstd has one value per row, 1/width of its norm's input."""
+        with torch.no_grad():
+            if _foreach_max is not None:
+                maxima = torch.stack(_foreach_max(self._amp_pending))
+            else:  # torch < 2.5
+                maxima = torch.stack([t.amax() for t in self._amp_pending])
+        self._amps.append(maxima)
+        self._amp_pending = []
 
     def _index(self, ids: list[int], device: torch.device) -> torch.Tensor:
         """`ids` as a device index, cached: a step calls the same modules in the same order as the last."""
@@ -552,9 +569,11 @@ def _norm_rstd(spec: Any, x: torch.Tensor, output: Any) -> torch.Tensor:
     Otherwise it is computed, in one pass over `x`.
     """
     if spec.kind == "layer":
-        saved = _saved_rstd(output, spec.ndim)
+        saved = _saved_rstd(output)
         if saved is not None:
             return saved
+    x = x.detach()  # computed below: no graph
+    if spec.kind == "layer":
         dims = x.shape[x.dim() - spec.ndim :]
         return torch.ops.aten.native_layer_norm(x.float(), dims, None, None, spec.eps_for(x.dtype))[2]
     n = math.prod(x.shape[x.dim() - spec.ndim :])
@@ -562,14 +581,14 @@ def _norm_rstd(spec: Any, x: torch.Tensor, output: Any) -> torch.Tensor:
     return torch.rsqrt(sq / n + spec.eps_for(x.dtype))
 
 
-def _saved_rstd(output: Any, ndim: int) -> torch.Tensor | None:
+def _saved_rstd(output: Any) -> torch.Tensor | None:
     """The rstd aten's native_layer_norm saved for the backward of `output`, or None (not such an output, or
     reading it would unpack through saved-tensor hooks: checkpointing would recompute the forward)."""
     node = getattr(output, "grad_fn", None)
     if node is None or type(node).__name__ != "NativeLayerNormBackward0":
         return None
     try:
-        if node._raw_saved_result2.unpack_hook is not None or len(node._saved_normalized_shape) != ndim:
+        if node._raw_saved_result2.unpack_hook is not None:
             return None
         return node._saved_result2
     except (AttributeError, RuntimeError):  # an autograd without these attributes, or the graph already freed
