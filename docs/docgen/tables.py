@@ -152,8 +152,10 @@ def bench_monitors() -> str:
         "| what | measured |",
         "|---|---|",
         f"| time inside the monitors' code, per training step | {r['inside_ms_per_step']:.1f} ms: an attributed ratio of {r['attributed_ratio']:.4f} |",
+        *(["| of which, per monitor | " + ", ".join(f"`{name}` {ms:.2f} ms" for name, ms in r["inside_ms_per_step_by_monitor"].items()) + " |"]
+          if "inside_ms_per_step_by_monitor" in r else []),
         f"| host synchronisations | {syncs['per_logging_step_per_callback']:.1f} per logging step per callback, {syncs['on_other_steps']} on the other steps |",
-        f"| step time with the three monitors over none, median of paired blocks | {w['ratio_median_paired']:.3f} wall clock, {c['ratio_median_paired']:.3f} process CPU time |",
+        f"| step time with the four monitors over none, median of paired blocks | {w['ratio_median_paired']:.3f} wall clock, {c['ratio_median_paired']:.3f} process CPU time |",
         f"| the blocks' own noise (coefficient of variation of the blocks without monitors) | {noise} |",
         "",
         f"Demo `CharLM` {r['d_model']} wide, {r['layers']} layers, batch {r['batch'][0]} × {r['batch'][1]}, gradient clipping on, "
