@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import warnings
 from pathlib import Path
@@ -33,14 +32,19 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     Strategy,
 )
-import torch
 from torch import nn
 
 from ln_lightning import _lightning_patch
 from ln_lightning._distill import CHECKPOINT_KEY as DISTILL_KEY
-from ln_lightning._distill import Distillation
+from ln_lightning._transition_run import TransitionRun
 from ln_lightning._warnings import LNLightningDeprecationWarning, info, warn
-from ln_lightning.checkpoint import CHECKPOINT_KEY, build_model, placement_record, read_checkpoint, remap_optimizer_states
+from ln_lightning.checkpoint import (
+    CHECKPOINT_KEY,
+    build_model,
+    placement_record,
+    read_checkpoint,
+    remap_optimizer_states,
+)
 from ln_lightning.norm import FusedLayerNorm
 from ln_lightning.placement import PlacementError, inspect_model, validate_options
 from ln_lightning.placement import state as rewrite_state
@@ -48,10 +52,9 @@ from ln_lightning.placement.apply import apply_config, rebuild
 from ln_lightning.placement.compare import difference
 from ln_lightning.placement.options import mix_split
 from ln_lightning.placement.spec import TransitionSpec
+from ln_lightning.placement.state import MARKER
 from ln_lightning.placement.trained_change import endpoint_change
 from ln_lightning.placement.transition import check_schedule, check_target
-from ln_lightning.placement.state import MARKER
-from ln_lightning.placement.transition_control import endpoint_step
 
 log = logging.getLogger(__name__)
 
@@ -459,12 +462,11 @@ class LNPlacement(LayerSync, Callback):
         """Let go of everything this Trainer call set up (after teardown, or after an exception)."""
         self._close_load()
         if self._run is not None:
-            if self._run.distill is not None:
-                self._run.distill.stop()
             state = None if pl_module is None else rewrite_state.of(pl_module)
             t = None if state is None else state.transition
-            if t is not None:  # ended by an exception or an interrupt, perhaps in an endpoint step or its first forward
-                t._measuring = None
+            if self._run.transition is not None:
+                self._run.transition.close(t)  # perhaps inside an endpoint step or the first batch's measurement
+            elif t is not None:
                 t.hold()
         self._run = None
 
@@ -544,47 +546,14 @@ class LNPlacement(LayerSync, Callback):
         # The trained weights (and a resumed checkpoint's teacher) are in; the first step has not run.
         state = rewrite_state.of(pl_module)
         t = None if state is None else state.transition
-        spec = self.transition
-        if t is None or spec is None or self._run is None:
-            return
-        run = self._run
-        if t.closed and t.host_steps >= t.steps:  # a second fit of a transition that spent its budget
-            self._warn_over_budget(trainer, t, float(t.blend))
-        if spec.distill <= 0 and not t.closed:
-            return
-        run.distill = Distillation(spec.distill, spec.reference)
-        run.distill.saved_state = run.teacher_state
-        reason = run.distill.start(trainer, pl_module, t.host_steps)
-        if reason is not None:
-            run.distill.off_reason = reason
-            self._warn_no_distillation(trainer, reason, t)
+        if t is not None and self.transition is not None and self._run is not None:
+            self._run.transition = TransitionRun(self.transition, self.placement)
+            self._run.transition.teacher_state = self._run.teacher_state
+            self._run.transition.start(trainer, pl_module, t)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        run = self._run
-        if run is None or self.transition is None:
-            return
-        state = rewrite_state.of(pl_module)
-        if state is None or state.transition is None:
-            if run.finished is not None:  # the dashboard shows the transition ended, not its last values
-                pl_module.log("ln_placement/transition", run.finished, on_step=True, on_epoch=False)
-                if run.distilled:  # no term is added to the loss any more
-                    pl_module.log("ln_placement/distill_kl", run.finished * 0, on_step=True, on_epoch=False)
-            return
-        t = state.transition
-        done = t.host_steps
-        # The blend the model holds, written from host arithmetic (a closed loop's is on the device already) and
-        # logged as the device tensor it is: no synchronisation per step.
-        t.hold()
-        pl_module.log("ln_placement/transition", t.blend.clone(), on_step=True, on_epoch=False)
-        if run.distill is not None and run.distill.paused:  # a spent budget: no term is added to the loss any more
-            pl_module.log("ln_placement/distill_kl", t.blend.new_zeros(()), on_step=True, on_epoch=False)
-        if done == 0 and t.needs_measurement and not run.measured:
-            t.begin_measurement()  # this forward runs at blend 0: the trained function's own statistics
-            run.measuring = True
-        # An endpoint step trains the function the transition ends at (every micro-batch of it), while the model
-        # holds its blend for everything else: callbacks, evaluation and checkpoints see the held blend.
-        run.endpoint = not run.over_budget and endpoint_step(done, t.steps, self.transition.endpoint_fraction)
-        t.train_at_end(run.endpoint)
+        if self._run is not None and self._run.transition is not None:
+            self._run.transition.begin_step(pl_module)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
         if self._run is not None:
@@ -594,135 +563,20 @@ class LNPlacement(LayerSync, Callback):
         run = self._run
         if run is None:
             return
-        state = rewrite_state.of(pl_module)
-        t = None if state is None else state.transition
-        if t is not None:
-            t.train_at_end(False)
-        if t is not None and run.measuring:
-            self._end_measurement(trainer, t)
-        distill = run.distill
-        if distill is not None and distill.active and distill.off_reason is None and not distill.distilled_once:
-            # The first batch ran without a call of the LightningModule itself inside training_step.
-            distill.off_reason = ("training_step did not call the LightningModule itself (self(...)) in its first batch, "
-                                  "so there was nothing to compare with the trained function")
-        if distill is not None and distill.active and distill.off_reason is not None:
-            distill.stop(keep=False)
-            self._warn_no_distillation(trainer, distill.off_reason, t)
-        if not run.stepped:
-            if t is not None and self.transition is not None:
-                t.hold()  # held between micro-batches
-            return
-        run.stepped = False
-        if t is None or self.transition is None:
-            return
-        if t.closed:
-            a = self._closed_loop_step(trainer, state, t, pl_module)
-        else:
-            a = state.advance(pl_module)
-        if a is not None and a >= 1.0:
-            if run.distill is not None:
-                run.distilled = run.distill.distilled_once
-                run.distill.stop(keep=False)  # the teacher's memory goes back
-            run.finished = torch.ones((), device=t.blend.device)
-            info(log, f"LNPlacement: transition to {self.placement}-norm finished after {t.host_steps} steps; the model is "
-                 f"now exactly its {self.placement}-norm rewrite.")
-
-    def _closed_loop_step(self, trainer: Trainer, state, t, pl_module: LightningModule) -> float | None:
-        """One optimizer step of the closed loop: gate the blend on this step's measured drift (on the device, the
-        same on every rank), count the step against the budget, and read the blend on logging steps and at the
-        budget's end only. Returns the blend where it was read, else None."""
-        run, spec = self._run, self.transition
-        distill = run.distill
-        drift = distill.take_drift() if distill is not None and distill.active else None
-        if run.over_budget:
-            return None
-        if not run.endpoint:  # an endpoint step's drift is the end point's, not the held blend's
-            if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
-                drift = torch.zeros((), device=t.blend.device)
-            drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
-            t.gate(drift, spec.tolerance, spec.rate())
-            # the smoothed drift the loop just gated on (logged after the gate: never the -1 of "not measured yet")
-            pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
-        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
-        done = t.host_steps + 1
-        a = state.advance(pl_module, check=done % every == 0)
-        if a is None or a >= 1.0:
-            return a
-        steps = state.transition.steps
-        need = run.pace.update(done, a, steps)  # the budget the recent pace needs (None: the blend has stopped moving)
-        if done >= steps:
-            run.over_budget = True
-            self._warn_over_budget(trainer, t, a)
-            if distill is not None and distill.active:
-                distill.pause()  # the blend is held from here: no teacher forward, the teacher kept for checkpoints
-        elif not run.warned_pace and done >= steps // 4 and (need is None or need > steps):
-            run.warned_pace = True
-            if trainer.is_global_zero:
-                warn(f"LNPlacement: at step {done} of its {steps}-step budget the closed-loop transition to "
-                     f"{self.placement}-norm stands at blend {a:.3g}: {_pace_words(need, run.pace, spec.tolerance)}. Unless "
-                     "that changes it will stop where it stands at the budget's end, not finish.")
-        return a
-
-    def _warn_over_budget(self, trainer: Trainer, t, a: float) -> None:
-        run, spec = self._run, self.transition
-        need = None if run is None else run.pace.update(t.host_steps, a, t.steps)
-        if run is not None:
-            run.over_budget = True
-            run.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
-                              "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": run.pace.still_since}
-        if trainer.is_global_zero:
-            warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
-                 f"blend {a:.4g} (drift tolerance {spec.tolerance:g}); {_pace_words(need, run.pace if run else None, spec.tolerance)}. "
-                 f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
-                 "load back into it), and the fit goes on there. Continue with a larger budget, "
-                 f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g})), "
-                 "or accept more drift with a larger tolerance.")
-
-    @staticmethod
-    def _warn_no_distillation(trainer: Trainer, reason: str, t=None) -> None:
-        if not trainer.is_global_zero:
-            return
-        if t is not None and t.closed:
-            warn(f"LNPlacement: the closed-loop transition can't measure its drift from the trained function: {reason}. "
-                 "Its blend ramps at the budget's pace instead, without a tolerance (as TransitionSpec(..., "
-                 "tolerance=None, distill=0) would; pass that to ask for it and silence this).")
-        else:
-            warn(f"LNPlacement: the transition runs without distillation towards the trained function: {reason}. "
-                 "Pass TransitionSpec(..., distill=0) to ask for that and silence this.")
-
-    def _end_measurement(self, trainer: Trainer, t) -> None:
-        self._run.measuring, self._run.measured = False, True
-        reason = t.end_measurement(lambda x: trainer.strategy.reduce(x, reduce_op="mean"))
-        if reason is None:  # (the values stay on the device: ln_lightning_transition.site_before, the branches' c)
-            # Output: a moved norm's parameters now serve its branch exit (its call site keeps what they were), so
-            # the gradient and optimizer state they gathered at the call site go (a fresh parameter's, from here).
-            for p in t.moved_parameters():
-                if p.grad is not None:
-                    p.grad.zero_()
-                for opt in trainer.optimizers:
-                    opt.state.pop(p, None)
-            info(log, f"LNPlacement: stream scales measured on the first training batch ({t.site_before.numel()} branches); "
-                 "the branches keep their trained weights in the stream"
-                 + {"peri": " (each output norm's gain set from its branch).",
-                    "output": " (each branch reads the stream divided by its scale; each moved norm's gain set from its branch)."
-                    }.get(self.placement, "."))
-        elif trainer.is_global_zero:
-            warn(f"LNPlacement: the stream scales could not be measured ({reason}); the transition runs the plain blend "
-                 "(every branch scale 1), whose function moves more near its end. Pass TransitionSpec(..., "
-                 "stream_scale=False) to ask for the plain blend and silence this.")
+        stepped, run.stepped = run.stepped, False
+        if run.transition is not None:
+            run.transition.end_step(trainer, pl_module, stepped)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         state = rewrite_state.of(pl_module)
         progress = None if state is None else state.progress()
-        run = self._run
+        known = None if self._run is None or self._run.transition is None else self._run.transition.final_entry(progress)
+        if known is not None:  # finished, or a closed loop stopped by its budget (said when it did)
+            self._log_report(trainer, final={"transition": known})
+            return
         if progress is None:
-            if run is not None and run.finished is not None:
-                self._log_report(trainer, final={"transition": {"finished": True, "blend": 1.0}})
             return
         done, steps, a = progress
-        if run is not None and run.unfinished is not None:  # a closed loop stopped by its budget (said when it did)
-            self._log_report(trainer, final={"transition": {**run.unfinished, "blend": a}})
-            return
         msg = (f"LNPlacement: the fit ended during the transition to {self.placement}-norm, at step {done} of {steps} (blend "
                f"{a:.4g}): the model computes that blend, not yet its {self.placement}-norm rewrite. Its checkpoints load back "
                "into that blend; a further fit of this model (or from its checkpoint with the same LNPlacement) continues it.")
@@ -807,9 +661,9 @@ class LNPlacement(LayerSync, Callback):
         state = rewrite_state.of(pl_module)
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state.checkpoint_entry(pl_module, report=self.report)
-        distill = None if self._run is None else self._run.distill
-        if state is not None and state.transition is not None and distill is not None and distill.active:
-            checkpoint[DISTILL_KEY] = distill.checkpoint_state()
+        teacher = None if self._run is None or self._run.transition is None else self._run.transition.teacher_checkpoint(pl_module)
+        if teacher is not None:
+            checkpoint[DISTILL_KEY] = teacher
 
     # ------------------------------------------------------------------ LayerSync (DDP / FSDP strategies)
     def apply(self, model: nn.Module) -> nn.Module:
@@ -853,38 +707,6 @@ def _spec_for(t) -> str:
     return f"TransitionSpec(steps={t.steps}, tolerance=None" + (f", schedule={t.kind!r})" if t.kind != "linear" else ")")
 
 
-class _Pace:
-    """How fast a closed loop's blend moves, from the host's reads of it (logging steps, the budget's end): the
-    budget it needs at its recent pace, which a stall (the drift holding it) makes None."""
-
-    def __init__(self):
-        self.reads: list[tuple[int, float]] = [(0, 0.0)]
-        self.still_since: int | None = None  # the step from which the blend has not moved
-
-    def update(self, done: int, blend: float, budget: int) -> int | None:
-        """The pace over the last tenth of the budget at least (so an endpoint step, which holds the blend, or
-        a short hold is not a stall), from the latest read at or before that span's start."""
-        if done > self.reads[-1][0]:
-            self.reads.append((done, blend))
-        d1, a1 = self.reads[-1]
-        span = max(1, budget // 10)
-        d0, a0 = next(((d, a) for d, a in reversed(self.reads[:-1]) if d <= d1 - span), self.reads[0])
-        if a1 > a0:
-            self.still_since = None
-            return int(math.ceil(d1 + (1.0 - a1) * (d1 - d0) / (a1 - a0) - 1e-6))  # (- 1e-6: float noise)
-        if self.still_since is None:
-            self.still_since = d0
-        return None
-
-
-def _pace_words(need: int | None, pace: _Pace | None, tolerance: float) -> str:
-    if need is not None:
-        return f"at its recent pace it needs about {need} steps in all"
-    since = "" if pace is None or pace.still_since is None else f" since step {pace.still_since}"
-    return (f"the blend has not moved{since}: the drift from the trained function stays above the tolerance "
-            f"({tolerance:g}) faster than training brings it back")
-
-
 class _Run:
     """What an LNPlacement holds during one Trainer call: from `setup` to `teardown` or `on_exception`."""
 
@@ -894,17 +716,8 @@ class _Run:
         self.accepting: rewrite_state.RewriteState | None = None  # a state opened for an unconverted ckpt_path load
         self.checkpoint: dict | None = None  # the ckpt_path checkpoint (its optimizer states may need remapping)
         self.stepped = False  # an optimizer stepped in the current training batch
-        self.measuring = False  # the stream scales are being recorded in this batch's forward
-        self.measured = False  # ... and were, in this run
-        self.distill: Distillation | None = None  # the transition's distillation (TransitionSpec.distill)
         self.report_at_fit_start = False  # the fit's report is logged at on_fit_start, on the weights it trains
-        self.endpoint = False  # the current optimizer step trains at blend 1
-        self.over_budget = False  # a closed loop spent its budget short of blend 1 (it holds the blend it reached)
-        self.warned_pace = False  # ... and said, past a quarter of its budget, that it would
-        self.pace = _Pace()  # its blend as read, for that
-        self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
-        self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
-        self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
+        self.transition: TransitionRun | None = None  # the model's transition, driven from on_train_start
         self.teacher_state: dict | None = None  # the teacher the ckpt_path checkpoint holds
 
 

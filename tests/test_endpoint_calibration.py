@@ -7,17 +7,14 @@ fused kernels), scales measured as LNPlacement measures them.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _helpers_examples import load_example
 
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import transition
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "migrate_suite"))
-import endpoint_calibration as ec  # noqa: E402
+ec = load_example("migrate_suite/endpoint_calibration")
 
 
 def _model_in_transition(seed: int = 0):

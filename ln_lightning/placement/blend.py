@@ -303,6 +303,10 @@ class Transition(nn.Module):
         model computes its trained function: each site's input is then exactly the trained post-norm model's)."""
         self._measuring = []
 
+    def abandon_measurement(self) -> None:
+        """Drop a measurement a forward began and no `end_measurement` closed (a Trainer call ended inside it)."""
+        self._measuring = None
+
     def _record_site(self, slot: int, norm: nn.Module, h: torch.Tensor) -> None:
         if self._measuring is None or not _recording():
             return
@@ -341,8 +345,8 @@ class Transition(nn.Module):
         could be used at all), so a rank whose forward skipped a layer (LayerDrop) or ran a site twice neither
         stalls the others nor ends with other scales: a site takes the mean of the ranks that saw it, and if any
         rank's forward can't be used, or a site ran on none, every rank runs the plain blend (every scale 1). One
-        read from the device, once per transition, says which. Returns None when the scales were set, else the
-        reason they could not be.
+        read from the device, once per transition, says which; with one process (`reduce=None`) the host knows it
+        already and reads nothing. Returns None when the scales were set, else the reason they could not be.
         """
         events, self._measuring = self._measuring, None
         n = len(self.sites)
@@ -398,11 +402,14 @@ class Transition(nn.Module):
             if spread_of:
                 idx = torch.tensor(sorted(spread_of), device=dev)
                 spread[idx] = torch.stack([spread_of[k] for k in sorted(spread_of)]).to(dev)
-        payload = torch.cat([local, seen, spread, torch.tensor([0.0 if reason is None else 1.0], device=dev)])
-        if reduce is not None:
+        if reduce is None:  # one process: what the forward recorded is all there is, known on the host
+            total, count = local, seen
+            ok = reason is None and len(ratio_of) == n
+        else:
+            payload = torch.cat([local, seen, spread, torch.tensor([0.0 if reason is None else 1.0], device=dev)])
             payload = reduce(payload)
-        total, count, spread, failed = payload[:n], payload[n:2 * n], payload[2 * n:3 * n], payload[3 * n]
-        ok = bool((failed == 0) & (count > 0).all())  # the one read: the same answer on every rank
+            total, count, spread, failed = payload[:n], payload[n:2 * n], payload[2 * n:3 * n], payload[3 * n]
+            ok = bool((failed == 0) & (count > 0).all())  # the one read: the same answer on every rank
         if not ok:
             self._set_plain()
             return reason or "another rank's first training forward could not be used, or a site ran on no rank"

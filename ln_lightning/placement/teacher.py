@@ -57,7 +57,7 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     if t is None:
         raise RuntimeError("frozen_copy: the model is not in a transition")
     t.set_progress(0, 0.0)
-    t._measuring = None
+    t.abandon_measurement()
     teacher.eval()
     for p in teacher.parameters():
         p.requires_grad_(False)

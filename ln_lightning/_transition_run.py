@@ -1,0 +1,253 @@
+"""One Trainer call's drive of a model's placement transition: `TransitionRun`.
+
+The model owns the transition's state (``ln_lightning.placement.blend.Transition``: the blend, the steps done,
+the smoothed drift, in persistent buffers); this object owns what one fit does with it: the distillation that
+measures the drift, the stream scales' measurement on the first batch, the endpoint steps, the closed loop's
+gate and pace, and what the dashboard and the report are told. The plugin calls it twice per training batch
+(`begin_step`, `end_step`), once at the start of training (`start`) and once at the end (`close`); nothing else
+moves the blend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+
+from ln_lightning._distill import Distillation
+from ln_lightning._warnings import info, warn
+from ln_lightning.placement import state as rewrite_state
+from ln_lightning.placement.spec import TransitionSpec
+from ln_lightning.placement.transition_control import endpoint_step
+
+log = logging.getLogger("ln_lightning.plugin")
+
+
+class TransitionRun:
+    """What one fit of a model in a transition holds, from `on_train_start` to the end of the Trainer call."""
+
+    def __init__(self, spec: TransitionSpec, placement: str):
+        self.spec, self.placement = spec, placement
+        self.teacher_state: dict | None = None  # the teacher the ckpt_path checkpoint holds
+        self.distill: Distillation | None = None  # the transition's distillation (TransitionSpec.distill)
+        self.measuring = False  # the stream scales are being recorded in this batch's forward
+        self.measured = False  # ... and were, in this run
+        self.endpoint = False  # the current optimizer step trains at blend 1
+        self.over_budget = False  # a closed loop spent its budget short of blend 1 (it holds the blend it reached)
+        self.warned_pace = False  # ... and said, past a quarter of its budget, that it would
+        self.pace = _Pace()  # its blend as read, for that
+        self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
+        self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
+        self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
+
+    # ------------------------------------------------------------------ the plugin's calls
+    def start(self, trainer: Trainer, pl_module: LightningModule, t) -> None:
+        """Training starts (the trained weights and a resumed checkpoint's teacher are in; no step has run)."""
+        spec = self.spec
+        if t.closed and t.host_steps >= t.steps:  # a second fit of a transition that spent its budget
+            self._warn_over_budget(trainer, t, float(t.blend))
+        if spec.distill <= 0 and not t.closed:
+            return
+        self.distill = Distillation(spec.distill, spec.reference)
+        self.distill.saved_state = self.teacher_state
+        reason = self.distill.start(trainer, pl_module, t.host_steps)
+        if reason is not None:
+            self.distill.off_reason = reason
+            self._warn_no_distillation(trainer, reason, t)
+
+    def begin_step(self, pl_module: LightningModule) -> None:
+        """Before a training batch: hold the blend, log it, and say whether this step trains at the end point."""
+        state = rewrite_state.of(pl_module)
+        if state is None or state.transition is None:
+            if self.finished is not None:  # the dashboard shows the transition ended, not its last values
+                pl_module.log("ln_placement/transition", self.finished, on_step=True, on_epoch=False)
+                if self.distilled:  # no term is added to the loss any more
+                    pl_module.log("ln_placement/distill_kl", self.finished * 0, on_step=True, on_epoch=False)
+            return
+        t = state.transition
+        done = t.host_steps
+        # The blend the model holds, written from host arithmetic (a closed loop's is on the device already) and
+        # logged as the device tensor it is: no synchronisation per step.
+        t.hold()
+        pl_module.log("ln_placement/transition", t.blend.clone(), on_step=True, on_epoch=False)
+        if self.distill is not None and self.distill.paused:  # a spent budget: no term is added to the loss any more
+            pl_module.log("ln_placement/distill_kl", t.blend.new_zeros(()), on_step=True, on_epoch=False)
+        if done == 0 and t.needs_measurement and not self.measured:
+            t.begin_measurement()  # this forward runs at blend 0: the trained function's own statistics
+            self.measuring = True
+        # An endpoint step trains the function the transition ends at (every micro-batch of it), while the model
+        # holds its blend for everything else: callbacks, evaluation and checkpoints see the held blend.
+        self.endpoint = not self.over_budget and endpoint_step(done, t.steps, self.spec.endpoint_fraction)
+        t.train_at_end(self.endpoint)
+
+    def end_step(self, trainer: Trainer, pl_module: LightningModule, stepped: bool) -> None:
+        """After a training batch: end the first batch's measurement, and, if an optimizer stepped, move the blend."""
+        state = rewrite_state.of(pl_module)
+        t = None if state is None else state.transition
+        if t is not None:
+            t.train_at_end(False)
+        if t is not None and self.measuring:
+            self._end_measurement(trainer, t)
+        distill = self.distill
+        if distill is not None and distill.active and distill.off_reason is None and not distill.distilled_once:
+            # The first batch ran without a call of the LightningModule itself inside training_step.
+            distill.off_reason = ("training_step did not call the LightningModule itself (self(...)) in its first batch, "
+                                  "so there was nothing to compare with the trained function")
+        if distill is not None and distill.active and distill.off_reason is not None:
+            distill.stop(keep=False)
+            self._warn_no_distillation(trainer, distill.off_reason, t)
+        if t is None:
+            return
+        if not stepped:
+            t.hold()  # held between micro-batches
+            return
+        a = self._closed_loop_step(trainer, state, t, pl_module) if t.closed else state.advance(pl_module)
+        if a is not None and a >= 1.0:
+            if self.distill is not None:
+                self.distilled = self.distill.distilled_once
+                self.distill.stop(keep=False)  # the teacher's memory goes back
+            self.finished = torch.ones((), device=t.blend.device)
+            info(log, f"LNPlacement: transition to {self.placement}-norm finished after {t.host_steps} steps; the model is "
+                 f"now exactly its {self.placement}-norm rewrite.")
+
+    def teacher_checkpoint(self, pl_module: LightningModule) -> dict | None:
+        """The teacher's tensors for a checkpoint, while the model is in the transition and a teacher runs."""
+        state = rewrite_state.of(pl_module)
+        if state is None or state.transition is None or self.distill is None or not self.distill.active:
+            return None
+        return self.distill.checkpoint_state()
+
+    def final_entry(self, progress: tuple[int, int, float] | None) -> dict | None:
+        """The report JSON's "transition" entry at the fit's end, where this run knows it (else None)."""
+        if progress is None:
+            return {"finished": True, "blend": 1.0} if self.finished is not None else None
+        if self.unfinished is not None:  # a closed loop stopped by its budget (said when it did)
+            return {**self.unfinished, "blend": progress[2]}
+        return None
+
+    def close(self, t) -> None:
+        """The Trainer call ended (after teardown, or an exception or interrupt, perhaps mid-step)."""
+        if self.distill is not None:
+            self.distill.stop()
+        if t is not None:
+            t.abandon_measurement()
+            t.hold()
+
+    # ------------------------------------------------------------------ the closed loop
+    def _closed_loop_step(self, trainer: Trainer, state, t, pl_module: LightningModule) -> float | None:
+        """One optimizer step of the closed loop: gate the blend on this step's measured drift (on the device, the
+        same on every rank), count the step against the budget, and read the blend on logging steps and at the
+        budget's end only. Returns the blend where it was read, else None."""
+        spec, distill = self.spec, self.distill
+        drift = distill.take_drift() if distill is not None and distill.active else None
+        if self.over_budget:
+            return None
+        if not self.endpoint:  # an endpoint step's drift is the end point's, not the held blend's
+            if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
+                drift = torch.zeros((), device=t.blend.device)
+            drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
+            t.gate(drift, spec.tolerance, spec.rate())
+            # the smoothed drift the loop just gated on (logged after the gate: never the -1 of "not measured yet")
+            pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
+        done = t.host_steps + 1
+        a = state.advance(pl_module, check=done % every == 0)
+        if a is None or a >= 1.0:
+            return a
+        steps = state.transition.steps
+        need = self.pace.update(done, a, steps)  # the budget the recent pace needs (None: the blend has stopped moving)
+        if done >= steps:
+            self._warn_over_budget(trainer, t, a)
+            if distill is not None and distill.active:
+                distill.pause()  # the blend is held from here: no teacher forward, the teacher kept for checkpoints
+        elif not self.warned_pace and done >= steps // 4 and (need is None or need > steps):
+            self.warned_pace = True
+            if trainer.is_global_zero:
+                warn(f"LNPlacement: at step {done} of its {steps}-step budget the closed-loop transition to "
+                     f"{self.placement}-norm stands at blend {a:.3g}: {_pace_words(need, self.pace, spec.tolerance)}. Unless "
+                     "that changes it will stop where it stands at the budget's end, not finish.")
+        return a
+
+    def _warn_over_budget(self, trainer: Trainer, t, a: float) -> None:
+        spec = self.spec
+        need = self.pace.update(t.host_steps, a, t.steps)
+        self.over_budget = True
+        self.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
+                           "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since}
+        if trainer.is_global_zero:
+            warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
+                 f"blend {a:.4g} (drift tolerance {spec.tolerance:g}); {_pace_words(need, self.pace, spec.tolerance)}. "
+                 f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
+                 "load back into it), and the fit goes on there. Continue with a larger budget, "
+                 f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g})), "
+                 "or accept more drift with a larger tolerance.")
+
+    @staticmethod
+    def _warn_no_distillation(trainer: Trainer, reason: str, t=None) -> None:
+        if not trainer.is_global_zero:
+            return
+        if t is not None and t.closed:
+            warn(f"LNPlacement: the closed-loop transition can't measure its drift from the trained function: {reason}. "
+                 "Its blend ramps at the budget's pace instead, without a tolerance (as TransitionSpec(..., "
+                 "tolerance=None, distill=0) would; pass that to ask for it and silence this).")
+        else:
+            warn(f"LNPlacement: the transition runs without distillation towards the trained function: {reason}. "
+                 "Pass TransitionSpec(..., distill=0) to ask for that and silence this.")
+
+    # ------------------------------------------------------------------ the stream scales (first batch)
+    def _end_measurement(self, trainer: Trainer, t) -> None:
+        self.measuring, self.measured = False, True
+        # Several processes agree on the scales (one read from the device, once per transition); one needs no read.
+        reduce = None if trainer.world_size == 1 else (lambda x: trainer.strategy.reduce(x, reduce_op="mean"))
+        reason = t.end_measurement(reduce)
+        if reason is None:  # (the values stay on the device: ln_lightning_transition.site_before, the branches' c)
+            # Output: a moved norm's parameters now serve its branch exit (its call site keeps what they were), so
+            # the gradient and optimizer state they gathered at the call site go (a fresh parameter's, from here).
+            for p in t.moved_parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+                for opt in trainer.optimizers:
+                    opt.state.pop(p, None)
+            info(log, f"LNPlacement: stream scales measured on the first training batch ({t.site_before.numel()} branches); "
+                 "the branches keep their trained weights in the stream"
+                 + {"peri": " (each output norm's gain set from its branch).",
+                    "output": " (each branch reads the stream divided by its scale; each moved norm's gain set from its branch)."
+                    }.get(self.placement, "."))
+        elif trainer.is_global_zero:
+            warn(f"LNPlacement: the stream scales could not be measured ({reason}); the transition runs the plain blend "
+                 "(every branch scale 1), whose function moves more near its end. Pass TransitionSpec(..., "
+                 "stream_scale=False) to ask for the plain blend and silence this.")
+
+
+class _Pace:
+    """How fast a closed loop's blend moves, from the host's reads of it (logging steps, the budget's end): the
+    budget it needs at its recent pace, which a stall (the drift holding it) makes None."""
+
+    def __init__(self):
+        self.reads: list[tuple[int, float]] = [(0, 0.0)]
+        self.still_since: int | None = None  # the step from which the blend has not moved
+
+    def update(self, done: int, blend: float, budget: int) -> int | None:
+        """The pace over the last tenth of the budget at least (so an endpoint step, which holds the blend, or
+        a short hold is not a stall), from the latest read at or before that span's start."""
+        if done > self.reads[-1][0]:
+            self.reads.append((done, blend))
+        d1, a1 = self.reads[-1]
+        span = max(1, budget // 10)
+        d0, a0 = next(((d, a) for d, a in reversed(self.reads[:-1]) if d <= d1 - span), self.reads[0])
+        if a1 > a0:
+            self.still_since = None
+            return int(math.ceil(d1 + (1.0 - a1) * (d1 - d0) / (a1 - a0) - 1e-6))  # (- 1e-6: float noise)
+        if self.still_since is None:
+            self.still_since = d0
+        return None
+
+
+def _pace_words(need: int | None, pace: _Pace | None, tolerance: float) -> str:
+    if need is not None:
+        return f"at its recent pace it needs about {need} steps in all"
+    since = "" if pace is None or pace.still_since is None else f" since step {pace.still_since}"
+    return (f"the blend has not moved{since}: the drift from the trained function stays above the tolerance "
+            f"({tolerance:g}) faster than training brings it back")
