@@ -41,6 +41,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 _CLONED = frozenset({
     "_distill",
     "_lightning_patch",
+    "_transition_run",
     "checkpoint",
     "plugin",
     "callbacks",
