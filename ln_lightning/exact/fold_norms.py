@@ -1,0 +1,215 @@
+"""`fold_norms(model)`: each norm's gain and bias folded into the linear layers that read its output (inference).
+
+A norm computes `y = g * n(x) + beta` (`n`: LayerNorm's or RMSNorm's normalisation). Where every reader of `y`
+is a linear layer `W y + b`, that is
+
+    W (g * n + beta) + b = (W diag(g)) n + (W beta + b)
+
+so each reader gets `W' = W diag(g)` (its weight's input columns scaled) and `b' = b + W beta`, and the norm
+keeps only its normalisation: `elementwise_affine=False`, no weight and no bias, so nothing multiplies at run
+time and nothing is left to train by mistake (FlashNorm; TransformerLens' `fold_ln`). A reader without a bias
+gets one where the norm has a bias. A norm whose output anything else reads (a residual add, an activation,
+the model's output), or whose reader's weight is tied to another module (GPT-2's `lm_head` and `wte`), is
+refused with the reason. The model's output is measured on the example input; a change beyond float error
+undoes the rewrite and raises (a bug of ours).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ln_lightning.exact import graph, norms
+from ln_lightning.exact.report import ExactRewriteReport, NormRewrite
+from ln_lightning.exact.stream import is_hf_conv1d
+from ln_lightning.exact.to_rmsnorm import all_norms, captured_outputs, per_module_error, tolerance
+
+
+def _foldable_reader(m: nn.Module | None) -> bool:
+    return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward) or is_hf_conv1d(m)
+
+
+def _call_input(call) -> int | None:
+    v = call.input_value(("arg", 0))
+    return v if v is not None else call.input_value(("kwarg", "input"))
+
+
+def readers_of(t: graph.Traced, out: int) -> tuple[dict[int, tuple[str, nn.Module]], set[int], str]:
+    """The linear layers reading value `out` (a norm's output) with the values they read it as, or why not only they."""
+    found: dict[int, tuple[str, nn.Module]] = {}
+    reached: set[int] = set()
+    todo = [out]
+    while todo:
+        u = todo.pop()
+        if u in reached:
+            continue
+        reached.add(u)
+        if u in t.root_outputs:
+            return {}, reached, "its output is the model's output"
+        for e in t.readers(u):
+            call = next((t.rec.events[f] for f in e.frames
+                         if _foldable_reader(t.rec.events[f].module) and _call_input(t.rec.events[f]) == u), None)
+            if call is not None:
+                found[id(call.module)] = (call.name, call.module)
+                continue
+            if e.name in graph.RESHAPE | graph.SAME_SHAPE | graph.INDEX and e.input_value(("arg", 0)) == u:
+                nd, _ = graph.forward_dim(t.rec, e, u, -1)
+                if nd == -1:
+                    todo.extend(o for _, o in e.outputs)
+                    continue
+            return {}, reached, f"its output is read by {t.describe(e)}, not only by linear layers"
+    if not found:
+        return {}, reached, "no linear layer reads its output"
+    return found, reached, ""
+
+
+def _tie(t: graph.Traced, name: str, module: nn.Module) -> str:
+    calls = t.rec.module_calls(module)
+    for k, p in module._parameters.items():
+        if p is None:
+            continue
+        others = t.other_names(p, f"{name}.{k}")
+        if others:
+            return f"{name}.{k} is tied to {others[0]}: folding into it would change that module too"
+        outside = t.param_readers_outside(p, calls)
+        if outside:
+            return f"{name}.{k} is also read by {t.describe(outside[0])}"
+    return ""
+
+
+def _fold_into(module: nn.Module, gain: torch.Tensor | None, beta: torch.Tensor | None) -> bool:
+    """Fold into one reader; True where it had no bias and got one."""
+    w = module.weight
+    wd = w.detach().double()
+    conv1d = is_hf_conv1d(module)  # weight (in, out)
+    added = False
+    with torch.no_grad():
+        if beta is not None:
+            shift = beta.detach().double() @ wd if conv1d else wd @ beta.detach().double()
+            if module.bias is None:
+                module.bias = nn.Parameter(shift.to(w.dtype), requires_grad=w.requires_grad)
+                added = True
+            else:
+                module.bias.copy_((module.bias.detach().double() + shift).to(module.bias.dtype))
+        if gain is not None:
+            g = gain.detach().double()
+            w.copy_((wd * (g[:, None] if conv1d else g[None, :])).to(w.dtype))
+    return added
+
+
+def fold_norms(model: nn.Module, example_input: Any = None) -> ExactRewriteReport:
+    """Fold, in place, each norm's gain and bias into the linear layers that alone read its output; the norm then has
+    `elementwise_affine=False`. Returns the report: per norm the readers it went into, or why it was refused, and
+    the largest relative change of those readers' outputs and of the model's output on the example input.
+
+    For inference: a folded model computes the same function, but the gain no longer exists as its own parameter.
+
+    Args:
+        model: the model (torch `nn.LayerNorm` / `nn.RMSNorm`, ln_lightning's fused ones and `to_rmsnorm`'s norms
+            are folded; readers are `nn.Linear` and Hugging Face's `Conv1D`).
+        example_input: what to call the model with; by default the model's `example_input_array`.
+    """
+    example = graph.resolve_example(model, example_input, "fold_norms")
+    found = all_norms(model)
+    traced = graph.trace(model, example, found)
+    report = ExactRewriteReport(type(model).__name__, "fold_norms")
+
+    reasons: dict[str, str] = {}
+    targets: dict[str, dict[int, tuple[str, nn.Module]]] = {}
+    for name, norm in found.items():
+        why = ""
+        if not (norms.is_layernorm(norm) or norms.is_rmsnorm(norm)):
+            why = f"not a torch or ln_lightning norm class ({norms.own_class(norm).__name__}): its formula is not known"
+        elif all(p is None for p in norms.gain_and_bias(norm)):
+            why = "no gain or bias to fold"
+        elif "ln_lightning_transition" in norm.__dict__:
+            why = "a placement transition is in progress on it: finish the migration first"
+        elif not traced.of(norm):
+            why = "not called on the example input"
+        readers: dict[int, tuple[str, nn.Module]] = {}
+        reached: set[int] = set()
+        for n in traced.of(norm) if not why else ():
+            if n.output is None:
+                why = "it returned no tensor"
+                break
+            rs, seen, why = readers_of(traced, n.output)
+            if why:
+                break
+            readers.update(rs)
+            reached |= seen
+        for rname, module in readers.values() if not why else ():
+            why = _tie(traced, rname, module)
+            if not why and any(_call_input(c) not in reached for c in traced.rec.module_calls(module)):
+                why = f"{rname} is also called on another input"
+            if why:
+                break
+        if why:
+            reasons[name] = why
+        else:
+            targets[name] = readers
+    claimed: dict[int, list[str]] = {}
+    for name, readers in targets.items():
+        for key in readers:
+            claimed.setdefault(key, []).append(name)
+    for name, readers in targets.items():
+        shared = next((readers[k][0] for k in readers if len(claimed[k]) > 1), None)
+        if shared is not None:
+            reasons[name] = f"{shared} also reads another norm's output"
+    chosen = [n for n in targets if n not in reasons]
+
+    modules = {rname: m for n in chosen for rname, m in targets[n].values()}
+    saved = {rname: {k: (None if p is None else p.detach().clone()) for k, p in m._parameters.items()} for rname, m in modules.items()}
+    had_bias = {rname: m._parameters.get("bias") is not None for rname, m in modules.items()}
+    saved_norms = {n: (dict(found[n]._parameters), found[n].__dict__.get("elementwise_affine"), found[n].__dict__.get("weight_offset"))
+                   for n in chosen}
+    before_out, before = captured_outputs(model, example, modules)
+    try:
+        for n in chosen:
+            gain, beta = norms.gain_and_bias(found[n])
+            for rname, m in targets[n].values():
+                if _fold_into(m, gain, beta):
+                    report.added_parameters.append(f"{rname}.bias")
+                if gain is not None:
+                    report.changed_parameters.append(f"{rname}.weight")
+                if beta is not None and f"{rname}.bias" not in report.added_parameters:
+                    report.changed_parameters.append(f"{rname}.bias")
+            norms.drop_affine(found[n])
+        after_out, after = captured_outputs(model, example, modules)
+        report.output_error = graph.relative_error(after_out, before_out)
+        if not report.output_error <= tolerance(before_out):
+            raise RuntimeError(
+                f"fold_norms changed {type(model).__name__}'s output by {report.output_error:.2e} (relative) on the "
+                "example input, more than float error: the model was restored. This is a bug of ln_lightning's; "
+                "please report it with the model"
+            )
+    except BaseException:
+        with torch.no_grad():
+            for rname, m in modules.items():
+                for k, p in saved[rname].items():
+                    if p is not None:
+                        m._parameters[k].copy_(p)
+                if not had_bias[rname] and m._parameters.get("bias") is not None:
+                    m.bias = None
+        for n, (params, affine, offset) in saved_norms.items():
+            found[n]._parameters.update(params)
+            if affine is not None:
+                found[n].elementwise_affine = affine
+            if offset is not None:
+                found[n].weight_offset = offset
+            else:
+                found[n].__dict__.pop("weight_offset", None)
+        raise
+
+    for name, norm in found.items():
+        kind = norms.own_class(norm).__name__
+        if name in reasons:
+            action = "skipped" if reasons[name] in ("no gain or bias to fold",) else "refused"
+            report.norms.append(NormRewrite(name, kind, action, reasons[name]))
+        else:
+            into = sorted(r for r, _ in targets[name].values())
+            err = max((e for e in (per_module_error(before, after, r) for r in into) if e is not None), default=None)
+            report.norms.append(NormRewrite(name, kind, "folded", "into " + ", ".join(into), err))
+    report.changed_parameters.sort()
+    return report

@@ -1,0 +1,107 @@
+"""The norm classes the exact rewrites read and write, and changing a norm's class in place.
+
+`to_rmsnorm` turns a LayerNorm into an RMSNorm with the same `eps` and gain. A LayerNorm with a bias keeps it:
+torch's `nn.RMSNorm` has none, so it becomes `RMSNormWithBias` (`nn.RMSNorm` plus an added `bias`, the same
+`weight` / `bias` state_dict keys as the LayerNorm it was), or `FusedRMSNormWithBias` with `fused=True`.
+
+The class is changed in place (`module.__class__ = ...`, as `swap_layernorms` does): the module keeps its path,
+its Parameter objects (an optimizer's references stay valid), its hooks, and a norm `convert` deferred stays
+deferred (the hooks at its branch's entries hold the module itself).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ln_lightning.norm.modules import FusedLayerNorm
+from ln_lightning.norm.modules_rms import FusedRMSNorm
+from ln_lightning.placement import hooks
+
+
+class RMSNormWithBias(nn.RMSNorm):
+    """`nn.RMSNorm` followed by an added `bias` (a pre-norm LayerNorm's exact RMSNorm form keeps its bias)."""
+
+    bias: nn.Parameter | None
+
+    def forward(self, input: Tensor) -> Tensor:
+        y = super().forward(input)
+        return y if self.bias is None else y + self.bias
+
+
+class FusedRMSNormWithBias(FusedRMSNorm):
+    """`FusedRMSNorm` followed by an added `bias`."""
+
+    bias: nn.Parameter | None
+
+    def forward(self, input: Tensor) -> Tensor:
+        y = super().forward(input)
+        return y if self.bias is None else y + self.bias
+
+
+_LAYERNORMS = (nn.LayerNorm, FusedLayerNorm)
+_RMSNORMS = (nn.RMSNorm, FusedRMSNorm, RMSNormWithBias, FusedRMSNormWithBias)
+
+
+def own_class(norm: nn.Module) -> type:
+    """The norm's class, also while `convert` deferred it."""
+    return hooks.original_class(norm)
+
+
+def is_layernorm(norm: nn.Module) -> bool:
+    """A LayerNorm whose forward is torch's (or ours, the same formula)."""
+    return own_class(norm) in _LAYERNORMS
+
+
+def is_rmsnorm(norm: nn.Module) -> bool:
+    return own_class(norm) in _RMSNORMS
+
+
+def why_not_layernorm(norm: nn.Module) -> str:
+    """"" where `to_rmsnorm` can rewrite this LayerNorm's class; otherwise why not."""
+    if isinstance(norm, hooks.BypassableNorm):
+        return "a final norm convert put into the model's own slot: its class is left as it is"
+    if len(getattr(norm, "normalized_shape", ())) != 1:
+        return f"normalises over {tuple(norm.normalized_shape)}, not one feature dimension"
+    return ""
+
+
+def gain_and_bias(norm: nn.Module) -> tuple[Tensor | None, Tensor | None]:
+    w = norm._parameters.get("weight")
+    b = norm._parameters.get("bias")
+    if w is not None and getattr(norm, "weight_offset", 0.0):
+        w = w + norm.weight_offset
+    return w, b
+
+
+def _set_class(norm: nn.Module, base: type) -> None:
+    norm.__class__ = type(norm).ln_lightning_rewrap(base) if hooks.is_deferred(norm) else base
+
+
+def to_rms_class(norm: nn.Module, fused: bool) -> None:
+    """Make the LayerNorm `norm` an RMSNorm of the same eps, gain and bias, in place."""
+    if norm._parameters.get("bias") is not None:
+        base = FusedRMSNormWithBias if fused else RMSNormWithBias
+    else:
+        base = FusedRMSNorm if fused else nn.RMSNorm
+        norm._parameters.pop("bias", None)
+    # nn.RMSNorm keeps the same attributes as nn.LayerNorm (normalized_shape, eps, elementwise_affine, weight).
+    _set_class(norm, base)
+
+
+def restore_class(norm: nn.Module, cls: type, params: dict) -> None:
+    norm.__class__ = cls
+    norm._parameters.clear()
+    norm._parameters.update(params)
+
+
+def drop_affine(norm: nn.Module) -> None:
+    """The norm without gain and bias (folded into its readers): `elementwise_affine=False`."""
+    norm._parameters["weight"] = None
+    if "bias" in norm._parameters:
+        norm._parameters["bias"] = None
+    norm.elementwise_affine = False
+    if getattr(norm, "weight_offset", 0.0):
+        norm.weight_offset = 0.0
+
+
+__all__ = ["RMSNormWithBias", "FusedRMSNormWithBias"]

@@ -1,0 +1,232 @@
+"""`to_rmsnorm` and `fold_norms` against references the product does not compute: Hugging Face GPT-2 and ViT built
+from small configs, and the demo LM after `convert(..., "pre")`, each compared with a deep copy of itself taken
+before the rewrite (eval mode, float32). Norm gains and biases and every bias are randomised first, so that
+neither the centring nor the fold is a no-op (Hugging Face initialises gains to 1 and biases to 0)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from ln_lightning import convert
+from ln_lightning.demo.models import PostNormTransformerLM
+from ln_lightning.exact import FusedRMSNormWithBias, RMSNormWithBias, fold_norms, stream, to_rmsnorm
+from ln_lightning.norm import FusedRMSNorm
+
+T = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+TOL = 1e-5
+
+
+def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # gains around 1, biases around 0.3 (a mean the centring must remove)
+                base = 1.0 if name.endswith("weight") else 0.3
+                p.copy_(base + 0.5 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def rel_error(after, before) -> float:
+    return float((after - before).abs().max() / before.abs().max())
+
+
+def gpt2(tie: bool) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(vocab_size=97, n_positions=16, n_layer=2, n_embd=32, n_head=4, tie_word_embeddings=tie,
+                       use_cache=False, bos_token_id=0, eos_token_id=0)
+    return randomise(T.GPT2LMHeadModel(cfg))
+
+
+def vit() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = T.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+                      patch_size=4, num_channels=3)
+    return randomise(T.ViTModel(cfg))
+
+
+def demo_pre() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = randomise(PostNormTransformerLM(vocab_size=50, d_model=32, n_layers=2, n_heads=4, block_size=16))
+    x = torch.randint(0, 50, (2, 16))
+    convert(model, "pre", example_input=x)
+    return model, x
+
+
+GPT2_INPUT = {"input_ids": torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(1))}
+VIT_INPUT = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+def _check(model, ref, x, report, out=lambda o: o, expect=None):
+    with torch.no_grad():
+        got, want = out(model(**x) if isinstance(x, dict) else model(x)), out(ref(**x) if isinstance(x, dict) else ref(x))
+    assert rel_error(got, want) <= TOL, str(report)
+    assert report.output_error is not None and report.output_error <= TOL
+    if expect is not None:
+        assert [n.action for n in report.norms] == [expect] * len(report.norms), str(report)
+    for n in report.changed:
+        assert n.error is not None and n.error <= TOL, str(report)
+    return got
+
+
+# -- to_rmsnorm ----------------------------------------------------------------------------------------------
+
+
+def test_to_rmsnorm_gpt2_untied_is_exact():
+    model = gpt2(tie=False)
+    ref = copy.deepcopy(model)
+    report = to_rmsnorm(model, GPT2_INPUT)
+    _check(model, ref, GPT2_INPUT, report, lambda o: o.logits, expect="to_rmsnorm")
+    assert len(report.norms) == 5
+    assert all(isinstance(m, nn.RMSNorm) for m in model.modules() if isinstance(m, nn.modules.normalization.RMSNorm)) 
+    assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
+    assert isinstance(model.transformer.ln_f, RMSNormWithBias)  # the LayerNorm's bias is kept
+    # The writers are centred: every row of wte and of each c_proj's output has mean zero.
+    assert model.transformer.wte.weight.mean(1).abs().max() < 1e-6
+    assert model.transformer.h[0].mlp.c_proj.weight.mean(1).abs().max() < 1e-6
+
+
+def test_to_rmsnorm_gpt2_tied_refuses_with_the_tie():
+    model = gpt2(tie=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = to_rmsnorm(model, GPT2_INPUT)
+    assert [n.action for n in report.norms] == ["refused"] * 5
+    for n in report.norms:
+        assert n.name.startswith("transformer.") and "tied" in n.reason and "wte.weight" in n.reason, n.reason
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(type(m) is nn.LayerNorm for m in model.modules() if isinstance(m, nn.LayerNorm))
+
+
+def test_to_rmsnorm_vit_is_exact():
+    model = vit()
+    ref = copy.deepcopy(model)
+    report = to_rmsnorm(model, VIT_INPUT)
+    _check(model, ref, VIT_INPUT, report, lambda o: o.last_hidden_state, expect="to_rmsnorm")
+    with torch.no_grad():
+        assert rel_error(model(VIT_INPUT).pooler_output, ref(VIT_INPUT).pooler_output) <= TOL
+    assert "embeddings.cls_token" in report.changed_parameters  # a parameter written into the stream as it is
+    assert "embeddings.patch_embeddings.projection.weight" in report.changed_parameters  # a Conv2d writer
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_to_rmsnorm_demo_lm_after_convert_is_exact(fused):
+    model, x = demo_pre()
+    ref = copy.deepcopy(model)
+    report = to_rmsnorm(model, x, fused=fused)
+    _check(model, ref, x, report, expect="to_rmsnorm")
+    assert len(report.norms) == 5  # two per block and the final norm convert added
+    want = FusedRMSNormWithBias if fused else RMSNormWithBias
+    assert all(isinstance(m, want) for m in model.modules() if isinstance(m, nn.RMSNorm))
+    assert isinstance(model.blocks[0].ln1, FusedRMSNorm if fused else nn.RMSNorm)
+    # Still the converted model: its post-norm call sites pass the stream through.
+    from ln_lightning.placement import is_deferred
+    assert is_deferred(model.blocks[0].ln1)
+
+
+def test_to_rmsnorm_refuses_every_norm_of_a_post_norm_model():
+    torch.manual_seed(0)
+    model = randomise(PostNormTransformerLM(vocab_size=50, d_model=32, n_layers=2, n_heads=4, block_size=16))
+    x = torch.randint(0, 50, (2, 16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = to_rmsnorm(model, x)
+    assert [n.name for n in report.norms] == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2"]
+    assert [n.action for n in report.norms] == ["refused"] * 4
+    # The first norm: its writers are centrable, but the first block's attention reads the stream directly.
+    assert "blocks.0.attn.qkv" in report.norms[0].reason
+    for n, prev in zip(report.norms[1:], report.norms):
+        assert f"output of norm {prev.name}" in n.reason and "post-norm" in n.reason, n.reason
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert "blocks.0.ln1" in str(report) and "refused" in str(report)
+
+
+def test_to_rmsnorm_undoes_an_inexact_rewrite(monkeypatch):
+    """The self-check: without the centring the RMSNorms are not exact; the rewrite raises and leaves the model as it was."""
+    model, x = demo_pre()
+    ref = copy.deepcopy(model)
+    monkeypatch.setattr(stream, "centre", lambda w: None)
+    with pytest.raises(RuntimeError, match="restored"):
+        to_rmsnorm(model, x)
+    assert type(model.blocks_final_norm) is nn.LayerNorm
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+def test_to_rmsnorm_needs_an_example_input():
+    with pytest.raises(ValueError, match="example_input"):
+        to_rmsnorm(PostNormTransformerLM(vocab_size=10, d_model=8, n_layers=1, n_heads=2, block_size=4))
+
+
+# -- fold_norms ----------------------------------------------------------------------------------------------
+
+
+def test_fold_norms_gpt2_untied_is_exact():
+    model = gpt2(tie=False)
+    ref = copy.deepcopy(model)
+    report = fold_norms(model, GPT2_INPUT)
+    _check(model, ref, GPT2_INPUT, report, lambda o: o.logits, expect="folded")
+    assert report.norms[-1].reason == "into lm_head"
+    assert "lm_head.bias" in report.added_parameters  # ln_f's bias needs one: lm_head had none
+    ln = model.transformer.h[0].ln_1
+    assert ln.weight is None and ln.bias is None and not ln.elementwise_affine
+
+
+def test_fold_norms_gpt2_tied_refuses_the_final_norm():
+    model = gpt2(tie=True)
+    ref = copy.deepcopy(model)
+    report = fold_norms(model, GPT2_INPUT)
+    _check(model, ref, GPT2_INPUT, report, lambda o: o.logits)
+    assert [n.action for n in report.norms] == ["folded"] * 4 + ["refused"]
+    assert report.norms[-1].name == "transformer.ln_f"
+    assert "lm_head.weight is tied to transformer.wte.weight" in report.norms[-1].reason
+    assert torch.equal(model.lm_head.weight, ref.lm_head.weight) and model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_fold_norms_vit_refuses_the_norm_the_model_returns():
+    model = vit()
+    ref = copy.deepcopy(model)
+    report = fold_norms(model, VIT_INPUT)
+    _check(model, ref, VIT_INPUT, report, lambda o: o.last_hidden_state)
+    assert [n.action for n in report.norms] == ["folded"] * 4 + ["refused"]
+    assert report.norms[0].reason == "into layers.0.attention.k_proj, layers.0.attention.q_proj, layers.0.attention.v_proj"
+    assert report.norms[-1].name == "layernorm" and report.norms[-1].reason == "its output is the model's output"
+
+
+def test_fold_norms_demo_lm_after_convert_is_exact():
+    model, x = demo_pre()
+    ref = copy.deepcopy(model)
+    report = fold_norms(model, x)
+    _check(model, ref, x, report, expect="folded")
+    assert report.norms[0].reason == "into blocks.0.attn.qkv"
+
+
+def test_to_rmsnorm_then_fold_norms_leaves_bare_rmsnorms():
+    """The FlashNorm form: RMSNorms without weights, their gains and biases in the next linear layers."""
+    model, x = demo_pre()
+    ref = copy.deepcopy(model)
+    r1 = to_rmsnorm(model, x)
+    r2 = fold_norms(model, x)
+    _check(model, ref, x, r2, expect="folded")
+    assert len(r1.changed) == 5
+    norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
+    assert len(norms) == 5 and all(m.weight is None and m.bias is None for m in norms)
+
+
+def test_fold_norms_refuses_a_post_norm_model():
+    torch.manual_seed(0)
+    model = randomise(PostNormTransformerLM(vocab_size=50, d_model=32, n_layers=2, n_heads=4, block_size=16))
+    x = torch.randint(0, 50, (2, 16))
+    ref = copy.deepcopy(model)
+    report = fold_norms(model, x)
+    # Each block's norms feed the next sublayer's residual add as well as its branch: refused. The last one
+    # feeds only the head (post-norm has no final norm): that one folds.
+    assert [n.action for n in report.norms] == ["refused"] * 3 + ["folded"], str(report)
+    for n in report.norms[:-1]:
+        assert "not only by linear layers" in n.reason and "`add`" in n.reason, n.reason
+    assert report.norms[-1].name == "blocks.1.ln2" and report.norms[-1].reason == "into head"
+    _check(model, ref, x, report)
