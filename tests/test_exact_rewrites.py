@@ -230,3 +230,16 @@ def test_fold_norms_refuses_a_post_norm_model():
         assert "not only by linear layers" in n.reason and "`add`" in n.reason, n.reason
     assert report.norms[-1].name == "blocks.1.ln2" and report.norms[-1].reason == "into head"
     _check(model, ref, x, report)
+
+
+def test_to_rmsnorm_refuses_when_the_model_returns_the_stream():
+    """GPT2Model with output_hidden_states returns the stream itself: centring it would show; without, it converts."""
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(vocab_size=97, n_positions=16, n_layer=2, n_embd=32, n_head=4, use_cache=False)
+    model = randomise(T.GPT2Model(cfg))
+    ref = copy.deepcopy(model)
+    report = to_rmsnorm(model, {**GPT2_INPUT, "output_hidden_states": True})
+    assert [n.action for n in report.norms] == ["refused"] * 5
+    assert all("reaches the model's output" in n.reason for n in report.norms), str(report)
+    report = to_rmsnorm(model, GPT2_INPUT)
+    _check(model, ref, GPT2_INPUT, report, lambda o: o.last_hidden_state, expect="to_rmsnorm")
