@@ -27,6 +27,10 @@ _EXPORTS = {
     "PlacementReport": "ln_lightning.placement",
     "ConversionReport": "ln_lightning.placement",
     "PlacementError": "ln_lightning.placement",
+    # exact rewrites of a model's norms
+    "to_rmsnorm": "ln_lightning.exact",
+    "fold_norms": "ln_lightning.exact",
+    "ExactRewriteReport": "ln_lightning.exact",
     # fused norm
     "FusedLayerNorm": "ln_lightning.norm",
     "FusedAddLayerNorm": "ln_lightning.norm",
@@ -55,6 +59,7 @@ _EXPORTS = {
 if TYPE_CHECKING:  # static view of the lazy names above, for type checkers and IDEs
     from ln_lightning._warnings import LNLightningDeprecationWarning, LNLightningWarning
     from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, SpikeMonitor, StreamNormMonitor
+    from ln_lightning.exact import ExactRewriteReport, fold_norms, to_rmsnorm
     from ln_lightning.export.hf import from_pretrained, save_pretrained
     from ln_lightning.export.native import to_native
     from ln_lightning.norm import FusedAddLayerNorm, FusedLayerNorm, fused_add_layer_norm, swap_layernorms
@@ -76,6 +81,7 @@ if TYPE_CHECKING:  # static view of the lazy names above, for type checkers and 
 __all__ = [
     "ClipAttributionMonitor",
     "ConversionReport",
+    "ExactRewriteReport",
     "FusedAddLayerNorm",
     "FusedLayerNorm",
     "LNLightningDeprecationWarning",
@@ -92,6 +98,7 @@ __all__ = [
     "__version__",
     "accept_unconverted",
     "convert",
+    "fold_norms",
     "from_pretrained",
     "fused_add_layer_norm",
     "inspect_model",
@@ -101,6 +108,7 @@ __all__ = [
     "save_pretrained",
     "swap_layernorms",
     "to_native",
+    "to_rmsnorm",
 ]
 
 

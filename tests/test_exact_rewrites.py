@@ -243,3 +243,50 @@ def test_to_rmsnorm_refuses_when_the_model_returns_the_stream():
     assert all("reaches the model's output" in n.reason for n in report.norms), str(report)
     report = to_rmsnorm(model, GPT2_INPUT)
     _check(model, ref, GPT2_INPUT, report, lambda o: o.last_hidden_state, expect="to_rmsnorm")
+
+
+def test_to_rmsnorm_weights_load_into_the_original_architecture():
+    """The centred weights keep the LayerNorm model's state_dict keys, and its LayerNorms compute the same function
+    on the now mean-zero stream: the rewritten model ships as a plain GPT-2."""
+    model = gpt2(tie=False)
+    ref = copy.deepcopy(model)
+    to_rmsnorm(model, GPT2_INPUT)
+    plain = T.GPT2LMHeadModel(model.config).eval()
+    plain.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        assert rel_error(plain(**GPT2_INPUT).logits, ref(**GPT2_INPUT).logits) <= TOL
+
+
+def test_fused_rmsnorm_then_fold_norms():
+    model, x = demo_pre()
+    ref = copy.deepcopy(model)
+    to_rmsnorm(model, x, fused=True)
+    report = fold_norms(model, x)
+    _check(model, ref, x, report, expect="folded")
+    assert all(m.weight is None for m in model.modules() if isinstance(m, FusedRMSNorm))
+
+
+def test_untie_gpt2_as_built_then_both_rewrites_ship_through_hugging_face(tmp_path):
+    """GPT-2 as built ties wte and lm_head: with untie=True lm_head keeps the original embedding as its own copy,
+    wte is centred, every norm becomes an RMSNorm; the config no longer ties them, so save / load keeps both."""
+    model = gpt2(tie=True)
+    ref = copy.deepcopy(model)
+    report = to_rmsnorm(model, GPT2_INPUT, untie=True)
+    _check(model, ref, GPT2_INPUT, report, lambda o: o.logits, expect="to_rmsnorm")
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    assert torch.equal(model.lm_head.weight, ref.lm_head.weight)
+    assert model.config.tie_word_embeddings is False
+    assert any("untied: lm_head.weight" in n for n in report.notes), str(report)
+    model.save_pretrained(tmp_path)
+    loaded = T.GPT2LMHeadModel.from_pretrained(tmp_path).eval()  # the plain LayerNorm architecture
+    with torch.no_grad():
+        assert rel_error(loaded(**GPT2_INPUT).logits, ref(**GPT2_INPUT).logits) <= TOL
+
+
+def test_untie_lets_fold_norms_fold_the_final_norm_into_a_tied_head():
+    model = gpt2(tie=True)
+    ref = copy.deepcopy(model)
+    report = fold_norms(model, GPT2_INPUT, untie=True)
+    _check(model, ref, GPT2_INPUT, report, lambda o: o.logits, expect="folded")
+    assert torch.equal(model.transformer.wte.weight, ref.transformer.wte.weight)  # the embedding is left as it was
+    assert not torch.equal(model.lm_head.weight, ref.lm_head.weight)

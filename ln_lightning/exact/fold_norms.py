@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ln_lightning.exact import graph, norms
+from ln_lightning.exact import graph, norms, ties
 from ln_lightning.exact.report import ExactRewriteReport, NormRewrite
 from ln_lightning.exact.stream import is_hf_conv1d
 from ln_lightning.exact.to_rmsnorm import all_norms, captured_outputs, per_module_error, tolerance
@@ -65,20 +65,6 @@ def readers_of(t: graph.Traced, out: int) -> tuple[dict[int, tuple[str, nn.Modul
     return found, reached, ""
 
 
-def _tie(t: graph.Traced, name: str, module: nn.Module) -> str:
-    calls = t.rec.module_calls(module)
-    for k, p in module._parameters.items():
-        if p is None:
-            continue
-        others = t.other_names(p, f"{name}.{k}")
-        if others:
-            return f"{name}.{k} is tied to {others[0]}: folding into it would change that module too"
-        outside = t.param_readers_outside(p, calls)
-        if outside:
-            return f"{name}.{k} is also read by {t.describe(outside[0])}"
-    return ""
-
-
 def _fold_into(module: nn.Module, gain: torch.Tensor | None, beta: torch.Tensor | None) -> bool:
     """Fold into one reader; True where it had no bias and got one."""
     w = module.weight
@@ -99,7 +85,7 @@ def _fold_into(module: nn.Module, gain: torch.Tensor | None, beta: torch.Tensor 
     return added
 
 
-def fold_norms(model: nn.Module, example_input: Any = None) -> ExactRewriteReport:
+def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = False) -> ExactRewriteReport:
     """Fold, in place, each norm's gain and bias into the linear layers that alone read its output; the norm then has
     `elementwise_affine=False`. Returns the report: per norm the readers it went into, or why it was refused, and
     the largest relative change of those readers' outputs and of the model's output on the example input.
@@ -110,6 +96,9 @@ def fold_norms(model: nn.Module, example_input: Any = None) -> ExactRewriteRepor
         model: the model (torch `nn.LayerNorm` / `nn.RMSNorm`, ln_lightning's fused ones and `to_rmsnorm`'s norms
             are folded; readers are `nn.Linear` and Hugging Face's `Conv1D`).
         example_input: what to call the model with; by default the model's `example_input_array`.
+        untie: a reader whose weight another module shares (GPT-2's `lm_head` and `wte`) gets its own copy and is
+            folded into (reported; a Hugging Face config then says `tie_word_embeddings=False`); by default that
+            norm is refused.
     """
     example = graph.resolve_example(model, example_input, "fold_norms")
     found = all_norms(model)
@@ -140,7 +129,10 @@ def fold_norms(model: nn.Module, example_input: Any = None) -> ExactRewriteRepor
             readers.update(rs)
             reached |= seen
         for rname, module in readers.values() if not why else ():
-            why = _tie(traced, rname, module)
+            calls = traced.rec.module_calls(module)
+            for k, p in module._parameters.items():
+                if p is not None and not why:
+                    why = ties.sharing(traced, f"{rname}.{k}", p, calls, untie)[1]
             if not why and any(_call_input(c) not in reached for c in traced.rec.module_calls(module)):
                 why = f"{rname} is also called on another input"
             if why:
@@ -165,7 +157,11 @@ def fold_norms(model: nn.Module, example_input: Any = None) -> ExactRewriteRepor
     saved_norms = {n: (dict(found[n]._parameters), found[n].__dict__.get("elementwise_affine"), found[n].__dict__.get("weight_offset"))
                    for n in chosen}
     before_out, before = captured_outputs(model, example, modules)
+    tied = {f"{rname}.{k}": traced.other_names(p, f"{rname}.{k}") for rname, m in modules.items()
+            for k, p in m._parameters.items() if p is not None and traced.other_names(p, f"{rname}.{k}")}
+    undo_ties: list = []
     try:
+        undo_ties = ties.own_copies(model, list(tied))  # the reader gets its own copy; the other holder keeps the original
         for n in chosen:
             gain, beta = norms.gain_and_bias(found[n])
             for rname, m in targets[n].values():
@@ -185,6 +181,7 @@ def fold_norms(model: nn.Module, example_input: Any = None) -> ExactRewriteRepor
                 "please report it with the model"
             )
     except BaseException:
+        ties.restore(undo_ties)
         with torch.no_grad():
             for rname, m in modules.items():
                 for k, p in saved[rname].items():
@@ -212,4 +209,8 @@ def fold_norms(model: nn.Module, example_input: Any = None) -> ExactRewriteRepor
             err = max((e for e in (per_module_error(before, after, r) for r in into) if e is not None), default=None)
             report.norms.append(NormRewrite(name, kind, "folded", "into " + ", ".join(into), err))
     report.changed_parameters.sort()
+    for name, others in tied.items():
+        report.notes.append(f"untied: {name} got its own copy (it was shared with {', '.join(others)})")
+    if tied and ties.untie_config(model):
+        report.notes.append("config.tie_word_embeddings set to False: saving and loading keep the untied copies apart")
     return report

@@ -28,6 +28,7 @@ from torch import nn
 
 from ln_lightning.exact.graph import Traced, backward_terms, forward_dim
 from ln_lightning.exact import norms as norm_kinds
+from ln_lightning.exact import ties
 from ln_lightning.placement.recording import Event
 
 
@@ -150,16 +151,18 @@ def _start_values(t: Traced, w: Writer) -> list[tuple[int, int]]:
     return out
 
 
-def centring_is_invisible(t: Traced, w: Writer) -> str:
-    """"" when centring `w` changes nothing but inputs of LayerNorms over the features; otherwise what would see it."""
+def centring_is_invisible(t: Traced, w: Writer, untie: bool = False) -> str:
+    """"" when centring `w` changes nothing but inputs of LayerNorms over the features (with `untie`: once the
+    modules sharing its weights have their own copies); otherwise what would see it."""
     for name, p in w.tensors().items():
-        others = t.other_names(p, name)
-        if others:
-            return f"{name} is tied to {others[0]}: centring it would change that module too"
-        if w.module is not None:
-            outside = t.param_readers_outside(p, t.rec.module_calls(w.module))
-            if outside:
-                return f"{name} is also read by {t.describe(outside[0])}"
+        if w.module is None:
+            others = t.other_names(p, name)
+            if others:  # a bare parameter under two names: its readers are followed below, its other holder isn't
+                return f"{name} is also held as {others[0]}"
+            continue
+        _, why = ties.sharing(t, name, p, t.rec.module_calls(w.module), untie)
+        if why:
+            return why
     starts = _start_values(t, w)
     if not starts:
         return f"{w.name} was not seen writing on the example input"

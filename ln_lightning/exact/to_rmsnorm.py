@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ln_lightning.exact import graph, norms, stream
+from ln_lightning.exact import graph, norms, stream, ties
 from ln_lightning.exact.report import ExactRewriteReport, NormRewrite
 from ln_lightning.placement.norms import norm_types
 
@@ -58,7 +58,8 @@ def per_module_error(before: dict[str, list], after: dict[str, list], name: str)
     return max((graph.relative_error(a, b) for a, b in pairs), default=None)
 
 
-def _refusal(name: str, norm: nn.Module, traced: graph.Traced) -> str:
+def _refusal(name: str, norm: nn.Module, traced: graph.Traced) -> str | None:
+    """Why `norm` is not a candidate at all (before its input is read); None where it is one."""
     if not norms.is_layernorm(norm):
         if norms.is_rmsnorm(norm):
             return "already an RMSNorm"
@@ -70,10 +71,10 @@ def _refusal(name: str, norm: nn.Module, traced: graph.Traced) -> str:
         return "a placement transition is in progress on it: finish the migration first"
     if not traced.of(norm):
         return "not called on the example input"
-    return ""
+    return None
 
 
-def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = False) -> ExactRewriteReport:
+def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = False, untie: bool = False) -> ExactRewriteReport:
     """Rewrite, in place, every LayerNorm of `model` whose input is mean-zero once the weights writing into it are
     centred, into an RMSNorm with the same eps, gain and bias; return the report.
 
@@ -88,6 +89,9 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
             arguments); by default the model's `example_input_array`.
         fused: the RMSNorms are `ln_lightning.norm.FusedRMSNorm` (with a bias: `FusedRMSNormWithBias`)
             instead of `torch.nn.RMSNorm` (`RMSNormWithBias`).
+        untie: a writer whose weight another module shares (GPT-2's `wte` and `lm_head`) is centred after that
+            module gets its own copy of the weight (reported; a Hugging Face config then says
+            `tie_word_embeddings=False`); by default the norms it writes into are refused.
 
     Example::
 
@@ -104,7 +108,7 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
     needs: dict[str, list[stream.Writer]] = {}
     reasons: dict[str, str] = {}
     for name, norm in found.items():
-        why = _refusal(name, norm, traced)
+        why = _refusal(name, norm, traced) or ""
         if not why:
             writers: dict[int, stream.Writer] = {}
             for n in traced.of(norm):
@@ -122,7 +126,7 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
     for name, ws in needs.items():
         for w in ws:
             if w.key not in verdicts:
-                verdicts[w.key] = stream.centring_is_invisible(traced, w)
+                verdicts[w.key] = stream.centring_is_invisible(traced, w, untie)
         blocked = next((w for w in ws if verdicts[w.key]), None)
         if blocked is not None:
             reasons[name] = f"its input is not centred by construction: {verdicts[blocked.key]}"
@@ -130,9 +134,14 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
     writers = {w.key: w for name in chosen for w in needs[name]}
 
     saved_params = {name: p.detach().clone() for w in writers.values() for name, p in w.tensors().items()}
+    # The other holders of a writer's weight get its original values as their own; the writer is centred in place.
+    tied = {name: traced.other_names(p, name) for w in writers.values() if w.module is not None
+            for name, p in w.tensors().items() if traced.other_names(p, name)}
+    undo_ties: list = []
     saved_classes = {name: (type(found[name]), dict(found[name]._parameters)) for name in chosen}
     before_out, before = captured_outputs(model, example, {n: found[n] for n in chosen})
     try:
+        undo_ties = ties.own_copies(model, [o for others in tied.values() for o in others])
         for w in writers.values():
             stream.centre(w)
         for name in chosen:
@@ -146,6 +155,7 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
                 "please report it with the model"
             )
     except BaseException:
+        ties.restore(undo_ties)
         _restore(writers, saved_params, found, saved_classes)
         raise
 
@@ -160,7 +170,12 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
                 per_module_error(before, after, name)))
     report.changed_parameters = sorted(saved_params)
     if writers:
-        report.notes.append("centred: " + ", ".join(sorted(w.name for w in writers.values())))
+        names = ", ".join(sorted(w.name for w in writers.values()))
+        report.notes.append(f"the weights writing into the stream were centred: {names}")
+    for name, others in tied.items():
+        report.notes.append(f"untied: {', '.join(others)} got its own copy of {name}, which was centred")
+    if tied and ties.untie_config(model):
+        report.notes.append("config.tie_word_embeddings set to False: saving and loading keep the untied copies apart")
     return report
 
 
