@@ -87,6 +87,7 @@ def test_to_rmsnorm_gpt2_untied_is_exact():
     assert all(isinstance(m, nn.RMSNorm) for m in model.modules() if isinstance(m, nn.modules.normalization.RMSNorm)) 
     assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
     assert isinstance(model.transformer.ln_f, RMSNormWithBias)  # the LayerNorm's bias is kept
+    assert any("exact in eval mode" in n for n in report.notes)  # GPT-2's resid_pdrop: training is not exact
     # The writers are centred: every row of wte and of each c_proj's output has mean zero.
     assert model.transformer.wte.weight.mean(1).abs().max() < 1e-6
     assert model.transformer.h[0].mlp.c_proj.weight.mean(1).abs().max() < 1e-6
@@ -290,3 +291,19 @@ def test_untie_lets_fold_norms_fold_the_final_norm_into_a_tied_head():
     _check(model, ref, GPT2_INPUT, report, lambda o: o.logits, expect="folded")
     assert torch.equal(model.transformer.wte.weight, ref.transformer.wte.weight)  # the embedding is left as it was
     assert not torch.equal(model.lm_head.weight, ref.lm_head.weight)
+
+
+def test_fold_norms_hugging_face_llama_rmsnorm():
+    """FlashNorm's case: Llama's RMSNorm class (recognised from its forward) folds into q/k/v, gate/up and the head;
+    its class has no form without a gain, so the gain is set to 1. to_rmsnorm leaves it: already an RMSNorm."""
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    model = randomise(T.LlamaForCausalLM(cfg))
+    ref = copy.deepcopy(model)
+    assert {n.reason for n in to_rmsnorm(model, GPT2_INPUT).norms} == {"already an RMSNorm"}
+    report = fold_norms(model, GPT2_INPUT)
+    _check(model, ref, GPT2_INPUT, report, lambda o: o.logits, expect="folded")
+    assert report.norms[0].reason.startswith("into model.layers.0.self_attn.k_proj, model.layers.0.self_attn.q_proj, "
+                                             "model.layers.0.self_attn.v_proj")
+    assert torch.equal(model.model.norm.weight, torch.ones(32))

@@ -107,11 +107,16 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
 
     reasons: dict[str, str] = {}
     targets: dict[str, dict[int, tuple[str, nn.Module]]] = {}
+    specs: dict[str, object] = {}  # foreign norm classes: what they compute
     for name, norm in found.items():
         why = ""
         if not (norms.is_layernorm(norm) or norms.is_rmsnorm(norm)):
-            why = f"not a torch or ln_lightning norm class ({norms.own_class(norm).__name__}): its formula is not known"
-        elif all(p is None for p in norms.gain_and_bias(norm)):
+            specs[name] = norms.foreign_spec(norm)
+            if specs[name] is None:
+                why = f"{norms.own_class(norm).__name__} was not recognised as a LayerNorm or RMSNorm over the features"
+        if why:
+            pass
+        elif all(p is None for p in norms.gain_and_bias(norm, specs.get(name))):
             why = "no gain or bias to fold"
         elif "ln_lightning_transition" in norm.__dict__:
             why = "a placement transition is in progress on it: finish the migration first"
@@ -155,7 +160,9 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
     saved = {rname: {k: (None if p is None else p.detach().clone()) for k, p in m._parameters.items()} for rname, m in modules.items()}
     had_bias = {rname: m._parameters.get("bias") is not None for rname, m in modules.items()}
     saved_norms = {n: (dict(found[n]._parameters), found[n].__dict__.get("elementwise_affine"), found[n].__dict__.get("weight_offset"))
-                   for n in chosen}
+                   for n in chosen if specs.get(n) is None}
+    saved_foreign = {n: {k: p.detach().clone() for k, p in found[n]._parameters.items() if p is not None}
+                     for n in chosen if specs.get(n) is not None}
     before_out, before = captured_outputs(model, example, modules)
     tied = {f"{rname}.{k}": traced.other_names(p, f"{rname}.{k}") for rname, m in modules.items()
             for k, p in m._parameters.items() if p is not None and traced.other_names(p, f"{rname}.{k}")}
@@ -163,7 +170,7 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
     try:
         undo_ties = ties.own_copies(model, list(tied))  # the reader gets its own copy; the other holder keeps the original
         for n in chosen:
-            gain, beta = norms.gain_and_bias(found[n])
+            gain, beta = norms.gain_and_bias(found[n], specs.get(n))
             for rname, m in targets[n].values():
                 if _fold_into(m, gain, beta):
                     report.added_parameters.append(f"{rname}.bias")
@@ -171,7 +178,11 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
                     report.changed_parameters.append(f"{rname}.weight")
                 if beta is not None and f"{rname}.bias" not in report.added_parameters:
                     report.changed_parameters.append(f"{rname}.bias")
-            norms.drop_affine(found[n])
+            if specs.get(n) is not None:
+                norms.make_identity(specs[n])
+                report.changed_parameters.extend(f"{n}.{k}" for k, p in found[n]._parameters.items() if p is not None)
+            else:
+                norms.drop_affine(found[n])
         after_out, after = captured_outputs(model, example, modules)
         report.output_error = graph.relative_error(after_out, before_out)
         if not report.output_error <= tolerance(before_out):
@@ -189,6 +200,10 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
                         m._parameters[k].copy_(p)
                 if not had_bias[rname] and m._parameters.get("bias") is not None:
                     m.bias = None
+        with torch.no_grad():
+            for n, values in saved_foreign.items():
+                for k, v in values.items():
+                    found[n]._parameters[k].copy_(v)
         for n, (params, affine, offset) in saved_norms.items():
             found[n]._parameters.update(params)
             if affine is not None:
@@ -207,7 +222,10 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
         else:
             into = sorted(r for r, _ in targets[name].values())
             err = max((e for e in (per_module_error(before, after, r) for r in into) if e is not None), default=None)
-            report.norms.append(NormRewrite(name, kind, "folded", "into " + ", ".join(into), err))
+            detail = "into " + ", ".join(into)
+            if specs.get(name) is not None:
+                detail += f" (its class keeps a gain: set to {1.0 - specs[name].weight_offset:g})"
+            report.norms.append(NormRewrite(name, kind, "folded", detail, err))
     report.changed_parameters.sort()
     for name, others in tied.items():
         report.notes.append(f"untied: {name} got its own copy (it was shared with {', '.join(others)})")

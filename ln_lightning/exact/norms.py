@@ -11,8 +11,10 @@ deferred (the hooks at its branch's entries hold the module itself).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
+from ln_lightning.norm import kinds
 from ln_lightning.norm.modules import FusedLayerNorm
 from ln_lightning.norm.modules_rms import FusedRMSNorm
 from ln_lightning.placement import hooks
@@ -65,12 +67,31 @@ def why_not_layernorm(norm: nn.Module) -> str:
     return ""
 
 
-def gain_and_bias(norm: nn.Module) -> tuple[Tensor | None, Tensor | None]:
-    w = norm._parameters.get("weight")
-    b = norm._parameters.get("bias")
-    if w is not None and getattr(norm, "weight_offset", 0.0):
-        w = w + norm.weight_offset
+def foreign_spec(norm: nn.Module) -> kinds.NormSpec | None:
+    """What another class's norm computes (Hugging Face's `LlamaRMSNorm`, Gemma's `1 + w` one, ...), read by
+    `ln_lightning.norm.kinds` from its forward on a probe; None where it is no norm over one feature dimension."""
+    spec = kinds.recognize_norm(norm)
+    return spec if spec is not None and spec.ndim == 1 else None
+
+
+def gain_and_bias(norm: nn.Module, spec: kinds.NormSpec | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """The gain (offset applied: Gemma's `1 + w`) and bias the norm multiplies and adds."""
+    if spec is not None:
+        w, b, offset = spec.weight, spec.bias, spec.weight_offset
+    else:
+        w, b, offset = norm._parameters.get("weight"), norm._parameters.get("bias"), getattr(norm, "weight_offset", 0.0)
+    if w is not None and offset:
+        w = w + offset
     return w, b
+
+
+def make_identity(spec: kinds.NormSpec) -> None:
+    """A foreign norm's gain and bias set to the identity (its class has no form without them): gain 1, bias 0."""
+    with torch.no_grad():
+        if spec.weight is not None:
+            spec.weight.fill_(1.0 - spec.weight_offset)
+        if spec.bias is not None:
+            spec.bias.zero_()
 
 
 def _set_class(norm: nn.Module, base: type) -> None:

@@ -61,7 +61,8 @@ def per_module_error(before: dict[str, list], after: dict[str, list], name: str)
 def _refusal(name: str, norm: nn.Module, traced: graph.Traced) -> str | None:
     """Why `norm` is not a candidate at all (before its input is read); None where it is one."""
     if not norms.is_layernorm(norm):
-        if norms.is_rmsnorm(norm):
+        spec = None if norms.is_rmsnorm(norm) else norms.foreign_spec(norm)
+        if norms.is_rmsnorm(norm) or (spec is not None and spec.kind == "rms"):
             return "already an RMSNorm"
         return f"not torch's LayerNorm ({norms.own_class(norm).__name__}): its formula is not known to be LayerNorm's"
     why = norms.why_not_layernorm(norm)
@@ -172,6 +173,9 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
     if writers:
         names = ", ".join(sorted(w.name for w in writers.values()))
         report.notes.append(f"the weights writing into the stream were centred: {names}")
+    if chosen and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        report.notes.append("exact in eval mode: in training, dropout on a branch's output leaves the stream not exactly "
+                            "centred, so the RMSNorms then compute slightly other values than the LayerNorms did")
     for name, others in tied.items():
         report.notes.append(f"untied: {', '.join(others)} got its own copy of {name}, which was centred")
     if tied and ties.untie_config(model):
