@@ -307,3 +307,60 @@ def test_fold_norms_hugging_face_llama_rmsnorm():
     assert report.norms[0].reason.startswith("into model.layers.0.self_attn.k_proj, model.layers.0.self_attn.q_proj, "
                                              "model.layers.0.self_attn.v_proj")
     assert torch.equal(model.model.norm.weight, torch.ones(32))
+
+
+def test_bert_post_norm_only_the_embedding_norm_becomes_an_rmsnorm():
+    """BERT is post-norm: each block's norms read the previous norm's output and are refused, naming it. Its
+    embedding LayerNorm reads the sum of three embedding tables only, which centre exactly."""
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    model = randomise(T.BertModel(cfg))
+    ref = copy.deepcopy(model)
+    report = to_rmsnorm(model, GPT2_INPUT)
+    _check(model, ref, GPT2_INPUT, report, lambda o: o.last_hidden_state)
+    assert [n.name for n in report.changed] == ["embeddings.LayerNorm"]
+    assert report.norms[1].reason == ("its input includes the output of norm embeddings.LayerNorm, which is not "
+                                      "centred by construction (a post-norm stream)")
+
+
+def test_x_transformers_wrapped_layernorms():
+    """x-transformers' LayerNorm wraps a bare nn.LayerNorm and multiplies by its own gamma: the bare one becomes an
+    RMSNorm (read as the innermost normalisation), the wrapper class is refused by name."""
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(0)
+    model = randomise(xt.TransformerWrapper(num_tokens=50, max_seq_len=16, attn_layers=xt.Decoder(dim=32, depth=2, heads=4)))
+    x = torch.randint(0, 50, (2, 8))
+    ref = copy.deepcopy(model)
+    report = to_rmsnorm(model, x)
+    _check(model, ref, x, report)
+    assert {n.name for n in report.changed} == {n.name for n in report.norms if n.name.endswith(".ln")}
+    assert len(report.changed) == 5
+    wrappers = [n for n in report.norms if not n.name.endswith(".ln")]
+    assert all("x_transformers.x_transformers.LayerNorm" in n.reason for n in wrappers)
+
+
+class _TorchEncoderLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(32), enable_nested_tensor=False)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, x):
+        return self.head(self.enc(self.emb(x)))
+
+
+@pytest.mark.parametrize("transform", [to_rmsnorm, fold_norms])
+def test_torch_transformer_layers_keep_their_norms(transform):
+    """torch's TransformerEncoderLayer reads its norms' weight and bias itself (its fast path, under no_grad): a
+    norm it holds can change neither class nor parameters. Refused by name; the model still runs as before."""
+    torch.manual_seed(0)
+    model = randomise(_TorchEncoderLM())
+    x = torch.randint(0, 50, (2, 8))
+    ref = copy.deepcopy(model)
+    report = transform(model, x)
+    held = [n for n in report.norms if n.name.startswith("enc.layers.")]
+    assert len(held) == 4 and all(n.action == "refused" and "TransformerEncoderLayer" in n.reason for n in held)
+    with torch.no_grad():  # the fast path's own check reads norm1.bias: it would fail on an RMSNorm
+        assert rel_error(model(x), ref(x)) <= TOL

@@ -114,6 +114,7 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
             specs[name] = norms.foreign_spec(norm)
             if specs[name] is None:
                 why = f"{norms.own_class(norm).__name__} was not recognised as a LayerNorm or RMSNorm over the features"
+        why = why or norms.read_by_its_owner(model, name)
         if why:
             pass
         elif all(p is None for p in norms.gain_and_bias(norm, specs.get(name))):

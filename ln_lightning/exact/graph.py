@@ -68,7 +68,9 @@ class Traced:
         return [self.rec.events[r] for r in self.rec.values[v].readers if self.rec.events[r].kind == "function"]
 
     def normalisation_reading(self, e: Event, v: int) -> Normalisation | None:
-        return next((n for n in self.normalisations if n.reads(e, v)), None)
+        """The innermost normalisation that reads `v` with event `e` (a norm class wrapping another, as
+        x-transformers' LayerNorm wraps a bare nn.LayerNorm, is read as the one inside)."""
+        return max((n for n in self.normalisations if n.reads(e, v)), key=lambda n: n.start, default=None)
 
     def of(self, norm: nn.Module) -> list[Normalisation]:
         return [n for n in self.normalisations if n.norm is norm]
@@ -247,7 +249,8 @@ def backward_terms(rec: Recording, e: Event, v_out: int, fd: int) -> tuple[list[
     if name in INDEX:
         back = _view_map(y, x, fd)
         return ([(first, back)] if back is not None else None), f"`{name}` indexes the features or gathers a copy"
-    return None, f"`{name}` is not an op a mean-zero stream is followed through"
+    return None, (f"`{name}` writes into it, and only what a Linear, Conv1D, convolution, Embedding or parameter "
+                  "writes is centred by its weights")
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:

@@ -74,6 +74,21 @@ def foreign_spec(norm: nn.Module) -> kinds.NormSpec | None:
     return spec if spec is not None and spec.ndim == 1 else None
 
 
+_READS_ITS_NORMS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def read_by_its_owner(model: nn.Module, name: str) -> str:
+    """"" unless a module holding the norm reads the norm's attributes itself, so that its class and parameters
+    can't change under it (torch's Transformer layers check `norm.weight` and `norm.bias` for their fast path)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        owner = model.get_submodule(".".join(parts[:i]))
+        if isinstance(owner, _READS_ITS_NORMS):
+            return (f"held by torch's {type(owner).__name__} ({'.'.join(parts[:i]) or 'the model'}), which reads its "
+                    "norms' weight and bias itself (its fast path): they can't change under it")
+    return ""
+
+
 def gain_and_bias(norm: nn.Module, spec: kinds.NormSpec | None = None) -> tuple[Tensor | None, Tensor | None]:
     """The gain (offset applied: Gemma's `1 + w`) and bias the norm multiplies and adds."""
     if spec is not None:

@@ -64,8 +64,9 @@ def _refusal(name: str, norm: nn.Module, traced: graph.Traced) -> str | None:
         spec = None if norms.is_rmsnorm(norm) else norms.foreign_spec(norm)
         if norms.is_rmsnorm(norm) or (spec is not None and spec.kind == "rms"):
             return "already an RMSNorm"
-        return f"not torch's LayerNorm ({norms.own_class(norm).__name__}): its formula is not known to be LayerNorm's"
-    why = norms.why_not_layernorm(norm)
+        cls = norms.own_class(norm)
+        return f"not torch's nn.LayerNorm but {cls.__module__}.{cls.__qualname__}: only torch's class is rewritten"
+    why = norms.why_not_layernorm(norm) or norms.read_by_its_owner(traced.model, name)
     if why:
         return why
     if "ln_lightning_transition" in norm.__dict__:
