@@ -364,3 +364,26 @@ def test_torch_transformer_layers_keep_their_norms(transform):
     assert len(held) == 4 and all(n.action == "refused" and "TransformerEncoderLayer" in n.reason for n in held)
     with torch.no_grad():  # the fast path's own check reads norm1.bias: it would fail on an RMSNorm
         assert rel_error(model(x), ref(x)) <= TOL
+
+
+def test_converted_then_rmsnorm_pickles_and_its_state_dict_loads_into_a_fresh_conversion():
+    """The demo LM after convert and to_rmsnorm: pickled whole, and its state_dict loaded strictly into a freshly
+    converted LayerNorm twin, both compute the model before to_rmsnorm (the twin's LayerNorms on a centred stream)."""
+    import io
+
+    model, x = demo_pre()
+    ref = copy.deepcopy(model)
+    to_rmsnorm(model, x)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.manual_seed(1)
+    twin = PostNormTransformerLM(vocab_size=50, d_model=32, n_layers=2, n_heads=4, block_size=16).eval()
+    convert(twin, "pre", example_input=x)
+    twin.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        want = ref(x)
+        assert rel_error(loaded(x), want) <= TOL
+        assert rel_error(twin(x), want) <= TOL
+    assert isinstance(loaded.blocks[0].ln1, RMSNormWithBias) and type(twin.blocks[0].ln1).__mro__[2] is nn.LayerNorm
