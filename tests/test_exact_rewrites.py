@@ -387,3 +387,13 @@ def test_converted_then_rmsnorm_pickles_and_its_state_dict_loads_into_a_fresh_co
         assert rel_error(loaded(x), want) <= TOL
         assert rel_error(twin(x), want) <= TOL
     assert isinstance(loaded.blocks[0].ln1, RMSNormWithBias) and type(twin.blocks[0].ln1).__mro__[2] is nn.LayerNorm
+
+
+def test_docstring_examples_run():
+    import doctest
+    import importlib
+
+    for name in ("ln_lightning.exact.to_rmsnorm", "ln_lightning.exact.fold_norms"):  # the modules, not the functions
+        module = importlib.import_module(name)
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0, name

@@ -99,6 +99,16 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
         untie: a reader whose weight another module shares (GPT-2's `lm_head` and `wte`) gets its own copy and is
             folded into (reported; a Hugging Face config then says `tie_word_embeddings=False`); by default that
             norm is refused.
+
+    Example::
+
+        >>> import torch
+        >>> from ln_lightning import fold_norms
+        >>> from ln_lightning.demo.models import PostNormTransformerLM
+        >>> lm = PostNormTransformerLM(vocab_size=64, d_model=32, n_layers=2, n_heads=4, block_size=16).eval()
+        >>> report = fold_norms(lm, torch.randint(0, 64, (2, 16)))  # post-norm: a residual add reads each norm
+        >>> [(n.action, n.reason) for n in report.norms][-2:]
+        [('refused', 'its output is read by `add` in blocks.1, not only by linear layers'), ('folded', 'into head')]
     """
     example = graph.resolve_example(model, example_input, "fold_norms")
     found = all_norms(model)

@@ -85,10 +85,14 @@ class Traced:
     def other_names(self, p: torch.Tensor, name: str) -> list[str]:
         return [n for n in self.param_names.get(id(p), []) if n != name]
 
-    def describe(self, e: Event) -> str:
-        """Where an event happened, for a reason: `linear in blocks.0.attn.qkv`."""
+    def where(self, e: Event) -> str:
+        """The innermost module call an event happened in, by path (the model's own forward: so named)."""
         inner = next((self.rec.events[f].name for f in reversed(e.frames) if self.rec.events[f].name), "")
-        return f"`{e.name}` in {inner}" if inner else f"`{e.name}` in the model's forward"
+        return inner or "the model's forward"
+
+    def describe(self, e: Event) -> str:
+        """An event, for a reason: `linear` in blocks.0.attn.qkv."""
+        return f"`{e.name}` in {self.where(e)}"
 
 
 def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module]) -> Traced:

@@ -7,10 +7,10 @@ reference (the tensor before the rewrite): `max|after - before| / max|before|`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
-
-from ln_lightning.placement.report import _jsonable, _table
 
 
 @dataclass
@@ -49,7 +49,12 @@ class ExactRewriteReport:
         return [n for n in self.norms if n.action == "refused"]
 
     def to_dict(self) -> dict:
-        return _jsonable(self)
+        """Plain data; a NaN (an error that could not be measured) is None, as JSON has none."""
+        d = dataclasses.asdict(self)
+        d["output_error"] = _finite(d["output_error"])
+        for n in d["norms"]:
+            n["error"] = _finite(n["error"])
+        return d
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -68,3 +73,16 @@ class ExactRewriteReport:
             out.append("parameters added: " + ", ".join(self.added_parameters))
         out.extend(f"note: {n}" for n in self.notes)
         return "\n".join(out)
+
+
+def _finite(v: float | None) -> float | None:
+    return None if v is None or math.isnan(v) else v
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])

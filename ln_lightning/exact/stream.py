@@ -132,7 +132,7 @@ def writers_of_input(t: Traced, v: int) -> tuple[list[Writer], str]:
         e = t.rec.events[t.rec.values[u].producer]
         terms, why = backward_terms(t.rec, e, u, fd)
         if terms is None:
-            return [], f"{why} (in {t.describe(e).split(' in ', 1)[1]})"
+            return [], f"{why} (in {t.where(e)})"
         todo.extend(terms)
     return list(found.values()), ""
 

@@ -97,9 +97,17 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
 
     Example::
 
-        >>> from transformers import GPT2Config, GPT2LMHeadModel
-        >>> model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, tie_word_embeddings=False)).eval()
-        >>> report = to_rmsnorm(model, {"input_ids": torch.randint(0, 100, (1, 8))})  # doctest: +SKIP
+        >>> import torch
+        >>> from ln_lightning import convert, to_rmsnorm
+        >>> from ln_lightning.demo.models import PostNormTransformerLM
+        >>> lm = PostNormTransformerLM(vocab_size=64, d_model=32, n_layers=2, n_heads=4, block_size=16).eval()
+        >>> ids = torch.randint(0, 64, (2, 16))
+        >>> _ = convert(lm, "pre", example_input=ids)  # pre-norm, with a final norm
+        >>> report = to_rmsnorm(lm, ids)
+        >>> [(n.name, n.action) for n in report.norms][-1]
+        ('blocks_final_norm', 'to_rmsnorm')
+        >>> len(report.changed), report.output_error < 1e-5
+        (5, True)
     """
     example = graph.resolve_example(model, example_input, "to_rmsnorm")
     found = all_norms(model)
@@ -111,19 +119,18 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
     reasons: dict[str, str] = {}
     for name, norm in found.items():
         why = _refusal(name, norm, traced) or ""
-        if not why:
-            writers: dict[int, stream.Writer] = {}
-            for n in traced.of(norm):
-                ws, why = stream.writers_of_input(traced, n.input) if n.input is not None else ([], "it got no tensor")
-                if why:
-                    break
-                writers.update((w.key, w) for w in ws)
-            if not why and not writers:
-                why = "nothing writes its input"
+        its_writers: dict[int, stream.Writer] = {}
+        for n in traced.of(norm) if not why else ():
+            ws, why = stream.writers_of_input(traced, n.input) if n.input is not None else ([], "it got no tensor")
+            if why:
+                break
+            its_writers.update((w.key, w) for w in ws)
+        if not why and not its_writers:
+            why = "nothing writes its input"
         if why:
             reasons[name] = why
         else:
-            needs[name] = list(writers.values())
+            needs[name] = list(its_writers.values())
     verdicts: dict[int, str] = {}
     for name, ws in needs.items():
         for w in ws:
