@@ -397,3 +397,33 @@ def test_docstring_examples_run():
         module = importlib.import_module(name)
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, name
+
+
+@pytest.mark.parametrize("cls", [RMSNormWithBias, FusedRMSNormWithBias])
+def test_the_biased_rmsnorms_are_recognised_with_their_bias(cls):
+    """ln_lightning.norm.kinds (swap_layernorms, the monitors, fold_norms) must see the bias, not a bare RMSNorm."""
+    from ln_lightning.norm import kinds
+
+    norm = cls(8)
+    norm.bias = nn.Parameter(torch.randn(8))
+    spec = kinds.recognize_norm(norm)
+    assert spec.kind == "rms" and spec.bias is norm.bias
+    x = torch.randn(3, 8)
+    assert torch.allclose(norm(x), kinds.norm_reference(spec, x), atol=1e-6)
+
+
+def test_swap_layernorms_leaves_a_biased_rmsnorm_with_the_reason():
+    """swap_layernorms (LNPlacement's fused=True) swapped RMSNormWithBias for a fused RMSNorm forward without a bias,
+    silently changing the output; it now skips it and says why."""
+    from ln_lightning.norm import swap_layernorms
+
+    norm = RMSNormWithBias(8)
+    norm.bias = nn.Parameter(torch.randn(8))
+    model = nn.Sequential(norm)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        before = model(x)
+        report = swap_layernorms(model)
+        assert torch.equal(model(x), before)
+    assert type(model[0]) is RMSNormWithBias
+    assert [s.reason for s in report.skipped] == ["an RMSNorm that adds a bias: the fused RMSNorm forward has none (swapping would drop it)"]

@@ -34,6 +34,8 @@ class FusedRMSNormWithBias(FusedRMSNorm):
     """`FusedRMSNorm` followed by an added `bias`."""
 
     bias: nn.Parameter | None
+    # Not FusedRMSNorm's formula (the bias): `ln_lightning.norm.kinds` reads this one from its forward, bias included.
+    ln_lightning_norm_forward = False
 
     def forward(self, input: Tensor) -> Tensor:
         y = super().forward(input)

@@ -215,6 +215,8 @@ def _skip_reason(module: nn.Module, backend: Optional[str], foreign_rms: Optiona
             f"RMSNorm by what it computes ({explain_norm(module)}); swapping would drop its behaviour "
             f"(wrap Fused{kind} in your subclass if its forward is a plain {kind})"
         )
+    if foreign_rms is not None and foreign_rms.bias is not None:
+        return "an RMSNorm that adds a bias: the fused RMSNorm forward has none (swapping would drop it)"
     shape = tuple(getattr(module, "normalized_shape", ())) or (foreign_rms.normalized_shape if foreign_rms else ())
     if not shape:
         return "missing or empty normalized_shape"
