@@ -427,3 +427,18 @@ def test_swap_layernorms_leaves_a_biased_rmsnorm_with_the_reason():
         assert torch.equal(model(x), before)
     assert type(model[0]) is RMSNormWithBias
     assert [s.reason for s in report.skipped] == ["an RMSNorm that adds a bias: the fused RMSNorm forward has none (swapping would drop it)"]
+
+
+def test_lnplacement_end_point_with_fused_layernorms():
+    """LNPlacement's end point: convert, then swap_layernorms (its fused=True): deferred FusedLayerNorms become
+    deferred fused RMSNorms, exactly; then they fold."""
+    from ln_lightning.norm import FusedLayerNorm, swap_layernorms
+
+    model, x = demo_pre()
+    swap_layernorms(model)
+    assert isinstance(model.blocks[0].ln1, FusedLayerNorm)
+    ref = copy.deepcopy(model)
+    report = to_rmsnorm(model, x, fused=True)
+    _check(model, ref, x, report, expect="to_rmsnorm")
+    assert isinstance(model.blocks[0].ln1, FusedRMSNormWithBias) and type(model.blocks[0].ln1).__name__.startswith("Deferred")
+    _check(model, ref, x, fold_norms(model, x), expect="folded")
