@@ -39,6 +39,7 @@ _EXPORTS = {
     # Lightning plugin
     "LNPlacement": "ln_lightning.plugin",
     "load_converted": "ln_lightning.plugin",
+    "PlacementSpec": "ln_lightning.placement.spec",
     "TransitionSpec": "ln_lightning.placement.spec",
     "UnsupportedStrategyError": "ln_lightning.plugin",
     "accept_unconverted": "ln_lightning.placement.state",
@@ -74,7 +75,7 @@ if TYPE_CHECKING:  # static view of the lazy names above, for type checkers and 
         register_norm_class,
     )
     from ln_lightning.plugin import LNPlacement, UnsupportedStrategyError, load_converted
-    from ln_lightning.placement.spec import TransitionSpec
+    from ln_lightning.placement.spec import PlacementSpec, TransitionSpec
     from ln_lightning.placement.state import accept_unconverted
 
 # A literal list, so that static tools read it (sorted(_EXPORTS) + [...] is opaque to them).
@@ -90,6 +91,7 @@ __all__ = [
     "LayerNormInputMonitor",
     "PlacementError",
     "PlacementReport",
+    "PlacementSpec",
     "SpikeMonitor",
     "StreamNormMonitor",
     "Sublayer",

@@ -10,7 +10,7 @@ every checkpoint of a run with the plugin (plain data: ``torch.load(weights_only
 * ``"config"`` (dict): the configuration the model computes, whoever rewrote it:
   ``{"placement": str, "final_norm": bool, "branch_scale": None | float | "depth" | "layerscale"}`` (the
   placement one of ``convert``'s: ``"pre"``, ``"post"``, ...), plus the options given explicitly that change the
-  function (``"layerscale_init": float``, ``"mix_post_blocks": int``); ``LNPlacement(**config)`` rebuilds it.
+  function (``"layerscale_init": float``, ``"mix_post_blocks": int``); ``LNPlacement(PlacementSpec.from_config(config))`` rebuilds it.
 * ``"record"`` (dict): the whole rewrite state (``RewriteState.to_record()``): the config, the blocks converted,
   the modules added and the ones they derive from, the transition (steps, schedule, steps done, blend).
   ``load_converted`` rebuilds the model from it and checks it has the same blocks and added modules.
@@ -85,7 +85,7 @@ def remap_optimizer_states(checkpoint: dict, optimizers: list, module: nn.Module
                 f"{[len(g['params']) for g in groups]}, which are not this optimizer's groups "
                 f"{[len(g['params']) for g in opt.param_groups]} without the parameters the rewrite added "
                 f"({', '.join(sorted(added))}). Build the optimizer from self.parameters() (or groups that differ only "
-                "by those), or pass LNPlacement(final_norm=False, branch_scale=None) so the rewrite adds no parameters."
+                "by those), or pass LNPlacement(PlacementSpec(\"pre\", final_norm=False)) (no branch_scale) so the rewrite adds no parameters."
             )
         state, new_state, new_groups, index = saved.get("state", {}), {}, [], 0
         for g_new, g_old in zip(opt.param_groups, groups):

@@ -6,7 +6,7 @@ LightningModule / LightningDataModule works, not only the demo:
     trainer:
       plugins:
         - class_path: ln_lightning.LNPlacement
-          init_args: {placement: pre, final_norm: true}
+          init_args: {placement: pre}     # or {placement: {placement: mix, mix_post_blocks: 2}}
     model:
       class_path: ln_lightning.demo.lightning.CharLM
     data:
@@ -18,19 +18,83 @@ or `--data.text_file my.txt`, several `--config` files.
 A `class_path` may name a module of the current directory (`mymodels.MyLM` for `./mymodels.py`), as
 `ln-lightning inspect` and `ln-lightning export` allow: the working directory is searched first, as
 `python -m` does, without setting PYTHONPATH.
+
+A config written for an earlier release, with `LNPlacement`'s deprecated keywords (`final_norm`, `branch_scale`,
+`layerscale_init`, `mix_post_blocks`) in its `init_args`, still runs for this release: they are moved into the
+`placement` spec, with a deprecation warning naming the new spelling.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
+import warnings
+from pathlib import Path
 
+import yaml
 from lightning.pytorch.cli import LightningCLI
+
+from ln_lightning._warnings import LNLightningDeprecationWarning
+
+_SPEC_KEYS = ("final_norm", "branch_scale", "layerscale_init", "mix_post_blocks")
+
+
+def _respell(plugin: dict) -> bool:
+    """Move an LNPlacement entry's deprecated keywords into its `placement` spec (in place); whether it had any."""
+    if not (isinstance(plugin, dict) and str(plugin.get("class_path", "")).endswith("LNPlacement")):
+        return False
+    args = plugin.get("init_args")
+    moved = {k: args.pop(k) for k in _SPEC_KEYS if isinstance(args, dict) and k in args}
+    if not moved:
+        return False
+    placement = args.get("placement", "pre")
+    if isinstance(placement, dict):
+        raise ValueError(f"LNPlacement: {', '.join(moved)} given beside a placement spec, which holds them; set them "
+                         "in the spec (init_args: {placement: {placement: pre, ...}})")
+    args["placement"] = {"placement": placement, **moved}
+    spelled = yaml.safe_dump({"placement": args["placement"]}, default_flow_style=True).strip()
+    warnings.warn(f"LNPlacement: the config's init_args {', '.join(moved)} {'is' if len(moved) == 1 else 'are'} deprecated "
+                  f"and read for this release only; write them in the placement spec: init_args: {spelled}",
+                  LNLightningDeprecationWarning, stacklevel=2)
+    return True
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+def _respelled_configs(argv: list[str], tmp: str) -> list[str]:
+    """`argv` with each `--config` file that uses LNPlacement's deprecated keywords replaced by a respelled copy."""
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        name = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else (arg[9:] if arg.startswith("--config=") else None)
+        if name is None or not Path(name).is_file():
+            continue
+        config = yaml.safe_load(Path(name).read_text())
+        trainer = config.get("trainer") if isinstance(config, dict) else None
+        if not isinstance(trainer, dict):
+            continue
+        entries = [e for key in ("plugins", "callbacks") for e in _as_list(trainer.get(key))]
+        if not any([_respell(e) for e in entries]):  # a list: every entry is respelled
+            continue
+        copy = Path(tmp) / f"{i}_{Path(name).name}"
+        copy.write_text(yaml.safe_dump(config, sort_keys=False))
+        if arg == "--config":
+            out[i + 1] = str(copy)
+        else:
+            out[i] = f"--config={copy}"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run LightningCLI on `argv` (default: sys.argv[1:]), e.g. `["fit", "--config", "configs/x.yaml"]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="ln_lightning_config_") as tmp:
+        return _main(_respelled_configs(argv, tmp))
+
+
+def _main(argv: list[str]) -> int:
     # LightningCLI reads sys.argv when `args` is None; handing it our argv that way avoids its
     # "both args and command line arguments" warning when run as `ln-lightning fit ...`.
     saved = sys.argv

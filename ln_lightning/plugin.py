@@ -46,15 +46,15 @@ from ln_lightning.checkpoint import (
     remap_optimizer_states,
 )
 from ln_lightning.norm import FusedLayerNorm
-from ln_lightning.placement import PlacementError, inspect_model, validate_options
+from ln_lightning.placement import PlacementError, inspect_model
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.apply import apply_config, rebuild
 from ln_lightning.placement.compare import difference
 from ln_lightning.placement.options import mix_split
-from ln_lightning.placement.spec import TransitionSpec
+from ln_lightning.placement.spec import PlacementSpec, TransitionSpec, coerce_placement
 from ln_lightning.placement.state import MARKER
 from ln_lightning.placement.trained_change import endpoint_change
-from ln_lightning.placement.transition import check_schedule, check_target
+from ln_lightning.placement.transition import check_schedule
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +85,49 @@ def _fmt(config: dict) -> str:
 # The keywords `transition=TransitionSpec(...)` replaced (ln_lightning 0.4), kept for one release: -> its field.
 _DEPRECATED = {"transition_steps": "steps", "transition_schedule": "schedule", "transition_stream_scale": "stream_scale",
                "transition_endpoint_fraction": "endpoint_fraction", "transition_distill": "distill"}
+# The keywords `PlacementSpec(...)` replaced (ln_lightning 0.4), kept for one release: they are its fields.
+_DEPRECATED_SPEC = ("final_norm", "branch_scale", "layerscale_init", "mix_post_blocks")
+
+
+def _placement_spec(placement: Any, transition: Any, layer_sync: Any, deprecated: dict) -> tuple[PlacementSpec, Any]:
+    """The PlacementSpec and LayerSync that LNPlacement's arguments ask for, the deprecated keywords included."""
+    unknown = sorted(set(deprecated) - set(_DEPRECATED) - set(_DEPRECATED_SPEC) - {"sync_batchnorm"})
+    if unknown:
+        raise TypeError(f"LNPlacement() got an unexpected keyword argument {unknown[0]!r}")
+    if "sync_batchnorm" in deprecated:
+        sync = deprecated.pop("sync_batchnorm")
+        if not isinstance(sync, bool):
+            raise TypeError(f"LNPlacement: sync_batchnorm must be True or False, got {sync!r}.")
+        warnings.warn("LNPlacement: the sync_batchnorm keyword is deprecated and removed in the next release; pass "
+                      "layer_sync=lightning.pytorch.plugins.TorchSyncBatchNorm() instead (the same plugin).",
+                      LNLightningDeprecationWarning, stacklevel=3)
+        if sync:
+            if layer_sync is not None:
+                raise ValueError("LNPlacement: pass sync_batchnorm=True or layer_sync=..., not both (Lightning runs one LayerSync).")
+            layer_sync = TorchSyncBatchNorm()
+    fields = {k: deprecated.pop(k) for k in _DEPRECATED_SPEC if k in deprecated}
+    transition = _transition_spec(transition, deprecated)
+    try:
+        if fields:
+            if isinstance(placement, PlacementSpec):
+                raise ValueError(f"LNPlacement: {', '.join(fields)} given beside a PlacementSpec, which holds them; set "
+                                 "them in the PlacementSpec")
+            spell = ", ".join([repr(placement)] + [f"{k}={v!r}" for k, v in fields.items()])
+            words = "keyword is" if len(fields) == 1 else "keywords are"
+            warnings.warn(f"LNPlacement: the {', '.join(fields)} {words} deprecated and removed in the next release; pass "
+                          f"LNPlacement(PlacementSpec({spell}), ...) instead (from ln_lightning import PlacementSpec).",
+                          LNLightningDeprecationWarning, stacklevel=3)
+            if not isinstance(placement, str):
+                raise TypeError(f"LNPlacement: placement must be a placement's name or a PlacementSpec, got "
+                                f"{type(placement).__name__}.")
+            placement = PlacementSpec(placement, **fields)
+        return coerce_placement(placement, transition), layer_sync
+    except PlacementError as err:  # one set of rules, the spec's, so the plugin accepts exactly what convert() does
+        raise PlacementError(f"LNPlacement: {err}") from None
 
 
 def _transition_spec(transition: Any, deprecated: dict) -> TransitionSpec | None:
     """The TransitionSpec that `transition=` or the deprecated ``transition_*`` keywords ask for."""
-    unknown = sorted(set(deprecated) - set(_DEPRECATED))
-    if unknown:
-        raise TypeError(f"LNPlacement() got an unexpected keyword argument {unknown[0]!r}")
     if deprecated.get("transition_steps", 0) is None:  # transition_steps=None, the old default: no transition
         del deprecated["transition_steps"]
     if not deprecated:
@@ -104,7 +140,7 @@ def _transition_spec(transition: Any, deprecated: dict) -> TransitionSpec | None
     warnings.warn(f"LNPlacement: {', '.join(sorted(deprecated))} are deprecated and go in the next release; pass "
                   f"transition=TransitionSpec({new}) instead (tolerance=None keeps the open-loop schedule these keywords "
                   "had; TransitionSpec's default is the closed loop).",
-                  LNLightningDeprecationWarning, stacklevel=3)
+                  LNLightningDeprecationWarning, stacklevel=4)
     if fields.get("steps") is None:
         raise ValueError(f"LNPlacement: {', '.join(sorted(deprecated))} apply only with transition_steps, which is "
                          "missing (they were silently ignored before). Pass transition=TransitionSpec(steps=N, ...).")
@@ -125,21 +161,19 @@ class LNPlacement(LayerSync, Callback):
     does a checkpoint, which records the configuration under ``checkpoint["ln_lightning"]``.
 
     Args:
-        placement: ``"pre"`` (``x <- x + F(LN(x))``), ``"post"`` (``x <- LN(x + F(x))``, to migrate back),
-            ``"peri"`` (``x + N_out(F(N(x)))``, Peri-LN), ``"output"`` (``x + N(F(x))``, OLMo 2) or ``"mix"``
-            (Mix-LN: the first ``mix_post_blocks`` blocks of each stack post-norm, the rest pre-norm).
-        mix_post_blocks: with ``"mix"``, how many leading blocks of each stack stay post-norm (default: a
-            quarter of the stack, as in Mix-LN).
-        final_norm: add a final LayerNorm after a stack converted to pre-norm that has none.
-        branch_scale: ``None``, a positive float ``c`` (``x + c*F(LN(x))``), ``"depth"`` (``c = 1/sqrt(2L)``)
-            or ``"layerscale"`` (a learnable per-channel scale; adds parameters).
-        layerscale_init: initial LayerScale value (default: the LayerScale paper's rule by depth).
+        placement: what the rewrite computes: a :class:`~ln_lightning.PlacementSpec` (the placement, the final norm,
+            the branch scale), or a placement's name as its shorthand: ``"pre"`` (``x <- x + F(LN(x))``), ``"post"``
+            (``x <- LN(x + F(x))``, to migrate back), ``"peri"`` (``x + N_out(F(N(x)))``, Peri-LN), ``"output"``
+            (``x + N(F(x))``, OLMo 2) or ``"mix"`` (Mix-LN). ``"pre"`` is ``PlacementSpec("pre")``: a final norm
+            added where a converted stack lacks one, no branch scale. The keywords ``final_norm``, ``branch_scale``,
+            ``layerscale_init`` and ``mix_post_blocks`` (the spec's fields) and ``sync_batchnorm`` (``layer_sync=
+            TorchSyncBatchNorm()``) still work for this release, with an LNLightningDeprecationWarning.
         fused: swap ``nn.LayerNorm`` for ``ln_lightning.norm``'s fused LayerNorm (same parameters).
         strict: raise if a block cannot be converted, instead of skipping it (the report lists skips).
         example_input: a probe input for the conversion check; default: the module's ``example_input_array``.
-        sync_batchnorm: also convert BatchNorm layers to SyncBatchNorm on DDP/FSDP, as
-            ``Trainer(sync_batchnorm=True)`` would (Lightning allows one LayerSync plugin, so pass it here).
-        layer_sync: another LayerSync plugin to compose with (applied after the rewrite, reverted at teardown).
+        layer_sync: another LayerSync plugin to compose with (applied after the rewrite, reverted at teardown), such
+            as ``TorchSyncBatchNorm()`` for what ``Trainer(sync_batchnorm=True)`` does (Lightning allows one LayerSync
+            plugin, so pass it here).
         log_report: at fit start, rank 0 logs the report and writes ``ln_placement_report.json`` into the
             logger's directory (and, with a TensorBoard logger, a text summary).
         resume_unconverted: let ``ckpt_path`` load a checkpoint written *without* the rewrite (no placement
@@ -176,14 +210,14 @@ class LNPlacement(LayerSync, Callback):
         from ln_lightning.demo.lightning import CharLM, CharDataModule
 
         model = CharLM()
-        trainer = Trainer(max_steps=100, plugins=[LNPlacement("pre", final_norm=True)])
+        trainer = Trainer(max_steps=100, plugins=[LNPlacement("pre")])
         trainer.fit(model, datamodule=CharDataModule())    # rewritten at fit start, then trained
         trainer.validate(model, datamodule=CharDataModule())  # runs the trained pre-norm function
         trainer.test(ckpt_path="best", datamodule=CharDataModule())  # so does every checkpoint
         model = load_converted(CharLM, trainer.checkpoint_callback.best_model_path)  # inference, no Trainer
 
     Also accepted as a callback (``Trainer(callbacks=[LNPlacement()])``), which leaves the LayerSync slot to
-    ``sync_batchnorm=True`` or another LayerSync plugin.
+    ``Trainer(sync_batchnorm=True)`` or another LayerSync plugin.
 
     Strategies: single device (CPU/GPU), ``ddp``, ``ddp_spawn``/``ddp_fork``, several nodes, ``fsdp`` and
     ``ModelParallelStrategy`` (the rewrite runs before your ``configure_model`` applies ``fully_shard``).
@@ -193,25 +227,19 @@ class LNPlacement(LayerSync, Callback):
 
     def __init__(
         self,
-        placement: str = "pre",
+        placement: str | PlacementSpec = "pre",
         *,
-        final_norm: bool = True,
-        branch_scale: float | str | None = None,
-        layerscale_init: float | None = None,
+        transition: TransitionSpec | int | None = None,
         fused: bool = True,
         strict: bool = False,
         example_input: Any = None,
-        sync_batchnorm: bool = False,
         layer_sync: LayerSync | None = None,
-        log_report: bool = True,
         resume_unconverted: bool = False,
-        transition: TransitionSpec | int | None = None,
-        mix_post_blocks: int | None = None,
+        log_report: bool = True,
         **deprecated: Any,
     ):
-        spec = _transition_spec(transition, deprecated)
-        for name, value in (("final_norm", final_norm), ("fused", fused), ("strict", strict),
-                            ("sync_batchnorm", sync_batchnorm), ("log_report", log_report),
+        spec, layer_sync = _placement_spec(placement, transition, layer_sync, deprecated)
+        for name, value in (("fused", fused), ("strict", strict), ("log_report", log_report),
                             ("resume_unconverted", resume_unconverted)):
             if not isinstance(value, bool):
                 raise TypeError(f"LNPlacement: {name} must be True or False, got {value!r}.")
@@ -219,43 +247,51 @@ class LNPlacement(LayerSync, Callback):
             raise TypeError(f"LNPlacement: layer_sync must be a lightning LayerSync plugin, got {type(layer_sync).__name__}.")
         if isinstance(layer_sync, LNPlacement):
             raise TypeError("LNPlacement: layer_sync cannot be another LNPlacement; a model has one placement.")
-        if layer_sync is not None and sync_batchnorm:
-            raise ValueError("LNPlacement: pass sync_batchnorm=True or layer_sync=..., not both (Lightning runs one LayerSync).")
         _lightning_patch.check_version()
-        try:  # one set of rules, the engine's, so the plugin accepts exactly what convert() does
-            validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init,
-                             mix_post_blocks=mix_post_blocks)
-            if spec is not None:
-                check_target(placement)
-        except PlacementError as err:
-            raise PlacementError(f"LNPlacement: {err}") from None
-        # The stream-scaled blend is a branch scale the transition measures (see TransitionSpec.stream_scale).
-        self.stream_scaled = (branch_scale == "stream" or (
-            spec is not None and spec.stream_scale and branch_scale is None
-            and placement in ("pre", "mix", "peri", "output")))
-        if self.stream_scaled:
-            branch_scale = "stream"
-        self.transition = spec
         _lightning_patch.check_installed()
-        self.placement = placement
-        self.mix_post_blocks = mix_post_blocks
-        self.final_norm = final_norm
-        self.branch_scale = float(branch_scale) if isinstance(branch_scale, (int, float)) else branch_scale
-        layerscale_init = None if layerscale_init is None else float(layerscale_init)
-        self.layerscale_init = layerscale_init
+        self.spec = spec
         self.fused = fused
         self.strict = strict
         self.example_input = example_input
         self.log_report = log_report
         self.resume_unconverted = resume_unconverted
-        self.layer_sync: LayerSync | None = TorchSyncBatchNorm() if sync_batchnorm else layer_sync
+        self.layer_sync = layer_sync
         self.report = None  # the ConversionReport of the last rewrite done in this process
         self.swap_report: dict | None = None  # what the fused swap did (None: fused=False)
         self._report_pending = False  # a report not yet logged at a fit start
         self._note: str | None = None  # a line to log at the next announce (a model rewritten before this plugin)
         self._run: _Run | None = None  # what this plugin holds during one Trainer call (setup to teardown)
 
-    # ------------------------------------------------------------------ configuration
+    # ------------------------------------------------------------------ configuration (read from the spec)
+    @property
+    def placement(self) -> str:
+        return self.spec.placement
+
+    @property
+    def final_norm(self) -> bool:
+        return self.spec.final_norm
+
+    @property
+    def branch_scale(self) -> float | str | None:
+        """The branch scale the rewrite applies (``"stream"`` where the transition measures it)."""
+        return self.spec.config["branch_scale"]
+
+    @property
+    def layerscale_init(self) -> float | None:
+        return self.spec.layerscale_init
+
+    @property
+    def mix_post_blocks(self) -> int | None:
+        return self.spec.mix_post_blocks
+
+    @property
+    def stream_scaled(self) -> bool:
+        return self.spec.stream_scaled
+
+    @property
+    def transition(self) -> TransitionSpec | None:
+        return self.spec.transition
+
     @property
     def transition_steps(self) -> int | None:
         """The transition's steps (its budget, for the closed loop), or None without a transition."""
@@ -276,13 +312,8 @@ class LNPlacement(LayerSync, Callback):
 
     @property
     def config(self) -> dict:
-        """What the rewrite computes (stored in checkpoints and in the state_dict marker)."""
-        config = {"placement": self.placement, "final_norm": self.final_norm, "branch_scale": self.branch_scale}
-        if self.layerscale_init is not None:
-            config["layerscale_init"] = self.layerscale_init
-        if self.mix_post_blocks is not None:
-            config["mix_post_blocks"] = self.mix_post_blocks
-        return config
+        """What the rewrite computes (stored in checkpoints and in the state_dict marker): ``spec.config``."""
+        return self.spec.config
 
     def __repr__(self) -> str:
         extra = f", layer_sync={self.layer_sync!r}" if self.layer_sync is not None else ""
@@ -294,8 +325,7 @@ class LNPlacement(LayerSync, Callback):
         other = pl if ours == lightning else lightning
         source = "ln_lightning." + pl if other == pl else "ln_lightning"
         return (
-            f"LNPlacement({self.placement!r}, final_norm={self.final_norm}, branch_scale={self.branch_scale!r}, "
-            f"fused={self.fused}, strict={self.strict}{extra}) [built for {ours} Trainers; a {other} Trainer "
+            f"LNPlacement({self.spec.short()}, fused={self.fused}, strict={self.strict}{extra}) [built for {ours} Trainers; a {other} Trainer "
             f"needs `from {source} import LNPlacement`]"
         )
 
@@ -752,7 +782,7 @@ def load_converted(
     record = placement_record(checkpoint, path)
     model = build_model(model, checkpoint, path, model_kwargs)
     try:
-        validate_options(**record["config"], strict=False)  # the options this version takes
+        PlacementSpec.from_config(record["config"])  # the serialised spec: what this version can build
     except (TypeError, ValueError) as err:
         raise ValueError(f"load_converted: {path} records a placement configuration LNPlacement can't build: {err}") from None
     if record.get("converted") is None:  # format 1: only the configuration is known

@@ -4,6 +4,7 @@ composition, precision flags, a model that needs no change)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -17,7 +18,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from ln_lightning import _lightning_patch
+from ln_lightning import LNLightningDeprecationWarning, PlacementError, PlacementSpec, TransitionSpec, _lightning_patch, convert
 from ln_lightning.demo.lightning import CharLM
 from ln_lightning.plugin import (
     CHECKPOINT_KEY,
@@ -47,30 +48,108 @@ def _x():
 
 
 # ------------------------------------------------------------------------------------------------ options
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(placement="middle"), r"LNPlacement: unknown placement 'middle'; valid placements are 'pre' .*'post' .*'peri' .*'output' .*'mix'"),
-        (dict(branch_scale="deep"), r"unknown branch_scale 'deep'; valid values are None, a positive float c, 'depth' .*, 'layerscale' or 'stream'"),
-        (dict(branch_scale=-0.5), r"branch_scale=-0.5 is not valid; valid values are"),
-        (dict(branch_scale=float("nan")), r"branch_scale=nan is not valid"),
-        (dict(branch_scale=True), r"branch_scale=True is not valid"),
-        (dict(layerscale_init=0.1), r"only used with branch_scale='layerscale'"),
-        (dict(branch_scale="layerscale", layerscale_init=0.0), r"positive finite float, got layerscale_init=0.0"),
-        (dict(placement="post", branch_scale=0.5), r"use branch_scale=None with placement='post'"),
-        (dict(sync_batchnorm=True, layer_sync=TorchSyncBatchNorm()),
-         r"sync_batchnorm=True or layer_sync"),
-    ],
-)
-def test_invalid_options_raise_at_construction_naming_valid_values(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        LNPlacement(**kwargs)
+_INVALID = [
+    (dict(placement="middle"), r"unknown placement 'middle'; valid placements are 'pre' .*'post' .*'peri' .*'output' .*'mix'"),
+    (dict(branch_scale="deep"), r"unknown branch_scale 'deep'; valid values are None, a positive float c, 'depth' .*, 'layerscale' or 'stream'"),
+    (dict(branch_scale=-0.5), r"branch_scale=-0.5 is not valid; valid values are"),
+    (dict(branch_scale=float("nan")), r"branch_scale=nan is not valid"),
+    (dict(branch_scale=True), r"branch_scale=True is not valid"),
+    (dict(layerscale_init=0.1), r"only used with branch_scale='layerscale'"),
+    (dict(branch_scale="layerscale", layerscale_init=0.0), r"positive finite float, got layerscale_init=0.0"),
+    (dict(placement="post", branch_scale=0.5), r"use branch_scale=None with placement='post'"),
+    (dict(final_norm="yes"), r"final_norm must be True or False"),
+    (dict(placement="pre", mix_post_blocks=2), r"mix_post_blocks is only used with placement='mix'"),
+    (dict(placement="post", transition=10), r"a transition to placement='post' can't preserve the function"),
+]
 
 
-@pytest.mark.parametrize("name", ["final_norm", "fused", "strict", "sync_batchnorm", "log_report"])
+@pytest.mark.parametrize("kwargs, match", _INVALID)
+def test_invalid_spec_raises_at_construction_naming_valid_values(kwargs, match):
+    with pytest.raises(PlacementError, match=match):
+        PlacementSpec(**kwargs)
+    spec_kwargs = {k: v for k, v in kwargs.items() if k not in ("placement", "transition")}
+    with pytest.raises(PlacementError, match="LNPlacement: .*" + match):  # the plugin names itself
+        if spec_kwargs:  # the deprecated keyword spelling is checked by the same rules
+            with pytest.warns(LNLightningDeprecationWarning):
+                LNPlacement(kwargs.get("placement", "pre"), transition=kwargs.get("transition"), **spec_kwargs)
+        else:
+            LNPlacement(kwargs.get("placement", "pre"), transition=kwargs.get("transition"))
+
+
+def test_sync_batchnorm_and_layer_sync_are_one_or_the_other():
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True or layer_sync"), pytest.warns(LNLightningDeprecationWarning):
+        LNPlacement(sync_batchnorm=True, layer_sync=TorchSyncBatchNorm())
+
+
+@pytest.mark.parametrize("name", ["fused", "strict", "sync_batchnorm", "log_report", "resume_unconverted"])
 def test_flags_must_be_bool(name):
     with pytest.raises(TypeError, match=f"{name} must be True or False"):
         LNPlacement(**{name: "yes"})
+
+
+def test_lnplacement_has_at_most_8_parameters():
+    # The request lives in PlacementSpec / TransitionSpec; the plugin's own parameters say how it runs.
+    params = [p for p in inspect.signature(LNPlacement).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    assert len(params) <= 8, [p.name for p in params]
+
+
+@pytest.mark.parametrize("old, new", [
+    (dict(final_norm=False), PlacementSpec("pre", final_norm=False)),
+    (dict(branch_scale=0.5), PlacementSpec("pre", branch_scale=0.5)),
+    (dict(branch_scale="layerscale", layerscale_init=0.01), PlacementSpec("pre", branch_scale="layerscale", layerscale_init=0.01)),
+])
+def test_old_spelling_warns_and_asks_for_the_same_function(old, new):
+    with pytest.warns(LNLightningDeprecationWarning, match=r"LNPlacement\(PlacementSpec\('pre', "):
+        plugin = LNPlacement("pre", **old)
+    assert plugin.spec == new and plugin.config == LNPlacement(new).config == new.config
+
+
+def test_mix_post_blocks_old_spelling():
+    with pytest.warns(LNLightningDeprecationWarning, match="mix_post_blocks"):
+        plugin = LNPlacement("mix", mix_post_blocks=2)
+    assert plugin.config == {"placement": "mix", "final_norm": True, "branch_scale": None, "mix_post_blocks": 2}
+
+
+def test_sync_batchnorm_old_spelling_is_torch_sync_batchnorm():
+    with pytest.warns(LNLightningDeprecationWarning, match="layer_sync=lightning.pytorch.plugins.TorchSyncBatchNorm"):
+        plugin = LNPlacement(sync_batchnorm=True)
+    assert isinstance(plugin.layer_sync, TorchSyncBatchNorm)
+
+
+def test_contradictory_requests_cannot_be_expressed():
+    with pytest.raises(ValueError, match="final_norm given beside a PlacementSpec"):
+        LNPlacement(PlacementSpec("pre"), final_norm=False)
+    with pytest.raises(ValueError, match="transition is given twice"):
+        LNPlacement(PlacementSpec("pre", transition=10), transition=20)
+    with pytest.raises(TypeError, match="placement must be"):
+        LNPlacement(3)
+
+
+def test_spec_config_round_trips_and_transition_resolves_the_stream_scale():
+    spec = PlacementSpec("pre", transition=TransitionSpec(steps=10))
+    assert spec.config == {"placement": "pre", "final_norm": True, "branch_scale": "stream"}
+    assert PlacementSpec("pre", transition=10) == spec  # an int is TransitionSpec(steps=N)
+    for s in (PlacementSpec("mix", mix_post_blocks=1), PlacementSpec("pre", branch_scale=2),
+              PlacementSpec("pre", branch_scale="layerscale", layerscale_init=1e-4), PlacementSpec("peri", final_norm=False)):
+        assert PlacementSpec.from_config(s.config) == s
+    assert PlacementSpec("pre", branch_scale=2).branch_scale == 2.0 and isinstance(PlacementSpec("pre", branch_scale=2).branch_scale, float)
+    with pytest.raises(PlacementError, match="unknown keys"):
+        PlacementSpec.from_config({"placement": "pre", "final_norm": True, "branch_scale": None, "future": 1})
+
+
+def test_convert_takes_the_spec_and_refuses_a_transition_or_a_keyword_beside_it():
+    a, b = _tiny_lm(), _tiny_lm()
+    b.load_state_dict(a.state_dict())
+    ra = convert(a, PlacementSpec("pre", final_norm=False, branch_scale=0.5))
+    rb = convert(b, "pre", final_norm=False, branch_scale=0.5)
+    assert ra.options == rb.options and ra.added == rb.added
+    x = _x()
+    a.eval(), b.eval()
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+    with pytest.raises(PlacementError, match="convert rewrites at once"):
+        convert(_tiny_lm(), PlacementSpec("pre", transition=10))
+    with pytest.raises(PlacementError, match="branch_scale given beside a PlacementSpec"):
+        convert(_tiny_lm(), PlacementSpec("pre"), branch_scale=0.5)
 
 
 def test_layer_sync_must_be_a_layer_sync():
@@ -201,7 +280,7 @@ def test_converted_model_refuses_other_placement_or_unconverted_weights(trained_
     path, _ = trained_ckpt
     state = torch.load(path, weights_only=False)["state_dict"]
     other = _tiny_lm()
-    LNPlacement("pre", branch_scale=0.5, fused=False).rewrite(other)
+    LNPlacement(PlacementSpec("pre", branch_scale=0.5), fused=False).rewrite(other)
     with pytest.raises(RuntimeError, match="rewritten to .*branch_scale.*0.5"):
         other.load_state_dict(state)
     converted = _tiny_lm()
@@ -254,7 +333,7 @@ def test_sync_batchnorm_with_plugin_is_a_clear_error_and_composes_as_callback_or
     trainer.fit(model, h.loader(8))
     assert LNPlacement.applied_config(model) is not None
     # The option form, as DDP/FSDP call it: the rewrite plus SyncBatchNorm; revert undoes only the latter.
-    placement = LNPlacement(fused=False, sync_batchnorm=True)
+    placement = LNPlacement(fused=False, layer_sync=TorchSyncBatchNorm())
     model = placement.apply(_BNLM())
     assert isinstance(model.bn, nn.SyncBatchNorm) and LNPlacement.applied_config(model) is not None
     model = placement.revert(model)

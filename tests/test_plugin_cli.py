@@ -47,6 +47,27 @@ def test_demo_config_parses_with_plugin_and_callbacks(capsys):
     assert cfg["trainer"]["logger"]["class_path"].endswith("TensorBoardLogger")
 
 
+@pytest.mark.slow  # jsonargparse's stub lookup, as above
+def test_a_config_with_the_deprecated_keywords_still_runs_and_warns(tmp_path, capsys):
+    from ln_lightning import LNLightningDeprecationWarning
+
+    config = yaml.safe_load(CONFIG.read_text())
+    (plugin,) = [p for p in config["trainer"]["plugins"] if p["class_path"].endswith("LNPlacement")]
+    plugin["init_args"].update(final_norm=False, branch_scale=0.5)  # the spelling of the last release
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(config))
+    with pytest.warns(LNLightningDeprecationWarning, match=r"final_norm, branch_scale are deprecated.*"
+                                                           r"init_args: \{placement: \{.*final_norm: false"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["fit", "--config", str(old), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    (printed,) = [p for p in cfg["trainer"]["plugins"] if p["class_path"].endswith("LNPlacement")]
+    spec = printed["init_args"]["placement"]
+    assert (spec["placement"], spec["final_norm"], spec["branch_scale"]) == ("pre", False, 0.5)
+    assert yaml.safe_load(old.read_text()) == config  # the user's file is not rewritten
+
+
 @pytest.mark.slow
 def test_demo_fit_writes_report_tensorboard_and_placement_checkpoint(tmp_path):
     assert cli_main(["fit", *_small(tmp_path)]) == 0

@@ -23,6 +23,7 @@ from torch import nn
 
 from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
 from ln_lightning.demo.lightning import CharLM
+from ln_lightning.placement.spec import PlacementSpec
 from ln_lightning.plugin import CHECKPOINT_KEY, MARKER, LNPlacement, load_converted
 from ln_lightning.testing import plugin as h
 
@@ -126,7 +127,7 @@ def test_model_rewritten_by_an_earlier_plugin_and_another_request_fails_at_fit_s
     _fit(tmp_path / "a", model, LNPlacement("pre", fused=False))
     before = h.full_state(model)
     with pytest.raises(ValueError, match=r"already rewritten to \(placement='pre'.*asks for .*" + list(other)[0]):
-        _trainer(tmp_path / "b", [LNPlacement(fused=False, **other)]).fit(model, h.loader(8))
+        _trainer(tmp_path / "b", [LNPlacement(PlacementSpec(**other), fused=False)]).fit(model, h.loader(8))
     assert all(torch.equal(before[k], v) for k, v in h.full_state(model).items())  # not trained
     # The failed start leaves nothing that changes the next fit: the right request trains it.
     trainer = _trainer(tmp_path / "c", [LNPlacement("pre", fused=False)])
@@ -151,7 +152,7 @@ def test_model_converted_by_hand_with_the_same_function_trains_and_records_its_r
     model = _lm()
     convert(model, "pre", branch_scale=0.5)
     with caplog.at_level(logging.INFO, logger="ln_lightning"):
-        ck = _fit(tmp_path, model, LNPlacement("pre", branch_scale=0.5, fused=False), logger=CSVLogger(str(tmp_path)))
+        ck = _fit(tmp_path, model, LNPlacement(PlacementSpec("pre", branch_scale=0.5), fused=False), logger=CSVLogger(str(tmp_path)))
     assert "Nothing changed" not in caplog.text and "already rewritten" in caplog.text
     assert ck[CHECKPOINT_KEY]["config"] == {"placement": "pre", "final_norm": True, "branch_scale": 0.5}
     markers = [k for k in ck["state_dict"] if k.endswith(MARKER)]
@@ -166,7 +167,7 @@ def test_an_equivalent_request_proceeds_and_keeps_the_models_configuration(tmp_p
     model = _lm()
     _fit(tmp_path / "a", model, LNPlacement("pre", fused=False))
     # branch_scale=1.0 is the same function as None: the model is trained as it is, recorded as it was rewritten.
-    ck = _fit(tmp_path / "b", model, LNPlacement("pre", branch_scale=1.0))
+    ck = _fit(tmp_path / "b", model, LNPlacement(PlacementSpec("pre", branch_scale=1.0)))
     assert ck[CHECKPOINT_KEY]["config"] == {"placement": "pre", "final_norm": True, "branch_scale": None}
     assert ck[CHECKPOINT_KEY]["fused"] is False  # the second plugin's fused=True default did not swap its norms
 
@@ -186,24 +187,24 @@ class _EncoderWithNormLM(LightningModule):
 
 
 def test_same_function_rules_for_scales_and_final_norm():
-    placement = LNPlacement("pre", branch_scale="depth", fused=False)
+    placement = LNPlacement(PlacementSpec("pre", branch_scale="depth"), fused=False)
     model = _lm()
     placement.rewrite(model)
-    LNPlacement("pre", branch_scale=0.5, fused=False).rewrite(model)  # 1/sqrt(2*2 blocks): the same function
+    LNPlacement(PlacementSpec("pre", branch_scale=0.5), fused=False).rewrite(model)  # 1/sqrt(2*2 blocks): the same function
     assert LNPlacement.applied_config(model)["branch_scale"] == "depth"
     with pytest.raises(ValueError, match=r"branch_scale 'depth' is not 0\.25"):
-        LNPlacement("pre", branch_scale=0.25, fused=False).rewrite(model)
+        LNPlacement(PlacementSpec("pre", branch_scale=0.25), fused=False).rewrite(model)
     with pytest.raises(ValueError, match="final_norm=True added a final norm"):  # CharLM's final norm was added
-        LNPlacement("pre", branch_scale="depth", final_norm=False, fused=False).rewrite(model)
+        LNPlacement(PlacementSpec("pre", branch_scale="depth", final_norm=False), fused=False).rewrite(model)
     model = _lm()
-    LNPlacement("pre", branch_scale="layerscale", fused=False).rewrite(model)
+    LNPlacement(PlacementSpec("pre", branch_scale="layerscale"), fused=False).rewrite(model)
     with pytest.raises(ValueError, match="layerscale_init"):
-        LNPlacement("pre", branch_scale="layerscale", layerscale_init=0.5, fused=False).rewrite(model)
+        LNPlacement(PlacementSpec("pre", branch_scale="layerscale", layerscale_init=0.5), fused=False).rewrite(model)
     # A stack with its own final norm: final_norm True and False are the same function.
     model = _EncoderWithNormLM()
     report = LNPlacement("pre", fused=False).rewrite(model)
     assert report.converted and not report.added
-    LNPlacement("pre", final_norm=False, fused=False).rewrite(model)
+    LNPlacement(PlacementSpec("pre", final_norm=False), fused=False).rewrite(model)
     assert LNPlacement.applied_config(model)["final_norm"] is True
 
 
@@ -224,7 +225,7 @@ class _NativePreLM(LightningModule):
 def test_branch_scale_on_an_already_pre_norm_model_is_refused_not_ignored():
     model = _NativePreLM()
     with pytest.raises(ValueError, match=r"branch_scale=0\.5 can't be applied to 2 block\(s\) that are already pre-norm"):
-        LNPlacement("pre", branch_scale=0.5, fused=False).rewrite(model)
+        LNPlacement(PlacementSpec("pre", branch_scale=0.5), fused=False).rewrite(model)
     assert LNPlacement.applied_config(model) is None  # untouched
 
 
@@ -234,7 +235,7 @@ def test_strict_false_load_of_unconverted_weights_into_a_rewritten_model_is_refu
 
     plain = _lm().state_dict()
     model = _lm()
-    LNPlacement("pre", final_norm=False, fused=False).rewrite(model)  # adds no weights: everything else fits
+    LNPlacement(PlacementSpec("pre", final_norm=False), fused=False).rewrite(model)  # adds no weights: everything else fits
     before = h.full_state(model)
     with pytest.raises(RuntimeError, match=f"no 'model.{MARKER}' entry.*accept_unconverted"):
         model.load_state_dict(plain, strict=False)
@@ -259,14 +260,14 @@ def test_lightning_strict_loading_false_ckpt_without_marker_is_refused_unless_re
     _trainer(tmp_path, callbacks=[ckpt]).fit(_LooseLM(**h.TINY), h.loader(8))
     path = tmp_path / "plain" / "last.ckpt"
     with pytest.raises(RuntimeError, match=f"written without the placement rewrite.*{MARKER}.*resume_unconverted=True"):
-        _trainer(tmp_path, [LNPlacement("pre", final_norm=False, fused=False)], max_steps=4).fit(
+        _trainer(tmp_path, [LNPlacement(PlacementSpec("pre", final_norm=False), fused=False)], max_steps=4).fit(
             _LooseLM(**h.TINY), h.loader(8), ckpt_path=path)
     with pytest.raises(RuntimeError, match="written without the placement rewrite"):
-        _trainer(tmp_path, [LNPlacement("pre", final_norm=False, fused=False)]).validate(
+        _trainer(tmp_path, [LNPlacement(PlacementSpec("pre", final_norm=False), fused=False)]).validate(
             _LooseLM(**h.TINY), h.loader(4), ckpt_path=path)
     # Opted in: it loads the post-norm weights into the pre-norm model, says so, and continues from the checkpoint.
     model = _LooseLM(**h.TINY)
-    trainer = _trainer(tmp_path, [LNPlacement("pre", final_norm=False, fused=False, resume_unconverted=True)], max_steps=4)
+    trainer = _trainer(tmp_path, [LNPlacement(PlacementSpec("pre", final_norm=False), fused=False, resume_unconverted=True)], max_steps=4)
     with pytest.warns(UserWarning, match=r"resume_unconverted=True.*written without the placement rewrite"):
         trainer.fit(model, h.loader(8), ckpt_path=path)
     assert trainer.global_step == 4

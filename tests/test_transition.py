@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from ln_lightning import LNLightningWarning, TransitionSpec
+from ln_lightning import LNLightningWarning, PlacementSpec, TransitionSpec
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import PlacementError, convert, transition
 from ln_lightning.placement import blend as placement_blend
@@ -242,14 +242,14 @@ def test_plugin_resume_at_half_gives_the_uninterrupted_weights(tmp_path):
     assert transition.get_blend(loaded) == 0.5
     assert rel(loaded.model(batch(3)), first.model.eval()(batch(3))) <= 1e-6
     # validate(ckpt_path) on a fresh model runs the checkpoint's blend, with or without transition_steps.
-    for p in (plugin(), LNPlacement("pre", branch_scale="stream", fused=False, log_report=False)):
+    for p in (plugin(), LNPlacement(PlacementSpec("pre", branch_scale="stream"), fused=False, log_report=False)):
         evaluated = LM("demo")
         Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                 plugins=[p]).validate(evaluated, dataloaders=loader(), ckpt_path=path)
         assert transition.get_blend(evaluated) == 0.5
     # Fitting from it without transition_steps would train a blend that never moves: refused, naming the values.
     with pytest.raises(PlacementError, match=r"in a placement transition.*transition=TransitionSpec\(steps=4, tolerance=None\)"):
-        trainer(tmp_path / "e", LNPlacement("pre", branch_scale="stream", fused=False, log_report=False), max_steps=total).fit(
+        trainer(tmp_path / "e", LNPlacement(PlacementSpec("pre", branch_scale="stream"), fused=False, log_report=False), max_steps=total).fit(
             LM("demo"), train_dataloaders=loader(), ckpt_path=path)
     resumed = LM("demo")
     rec = BlendRecorder()
@@ -312,8 +312,7 @@ def test_plugin_less_checkpoint_continues_as_pre_norm(final_norm, tmp_path):
     resumed = LM("demo", seed=5)
     probe = ResumeProbe(x)
     rec = BlendRecorder()
-    plugin = LNPlacement("pre", transition_steps=4, resume_unconverted=True, final_norm=final_norm, fused=False, log_report=False,
-                         **HELD)
+    plugin = LNPlacement(PlacementSpec("pre", final_norm=final_norm), transition_steps=4, resume_unconverted=True, fused=False, log_report=False, **HELD)
     with pytest.warns(UserWarning, match="exactly the function they were trained for and moves to pre-norm"):
         trainer(tmp_path, plugin, max_steps=s + 5, callbacks=[probe, rec]).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
     seen = probe.seen

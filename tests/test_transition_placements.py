@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import PlacementError, convert, inspect_model, transition
+from ln_lightning.placement.spec import PlacementSpec
 from ln_lightning.plugin import LNPlacement
 
 T = pytest.importorskip("transformers")
@@ -153,12 +154,12 @@ def test_gemma2_peri_to_pre_mid_blend_matches_module_replacement():
 
 
 def test_refusals_name_the_combination():
-    with pytest.raises(PlacementError, match="transition_steps with placement='post' can't preserve the function"):
+    with pytest.raises(PlacementError, match="a transition to placement='post' can't preserve the function"):
         LNPlacement("post", transition_steps=3)
     with pytest.raises(PlacementError, match="mix_post_blocks is only used with placement='mix'"):
-        LNPlacement("pre", mix_post_blocks=1)
+        LNPlacement(PlacementSpec("pre", mix_post_blocks=1))
     with pytest.raises(PlacementError, match="branch_scale applies"):
-        LNPlacement("peri", transition_steps=3, branch_scale=0.5)
+        LNPlacement(PlacementSpec("peri", branch_scale=0.5), transition_steps=3)
     model = _llama()
     convert(model, "peri")
     with pytest.raises(PlacementError, match=r"already converted \(to 'peri'\).*written in"):
@@ -220,22 +221,22 @@ def test_plugin_transition_to_peri_keeps_the_loss_then_ends_at_the_conversion(tm
 
 
 def test_plugin_mix_post_blocks_is_recorded_and_compared():
-    plugin = LNPlacement("mix", mix_post_blocks=1, fused=False)
+    plugin = LNPlacement(PlacementSpec("mix", mix_post_blocks=1), fused=False)
     model = PostNormTransformerLM(vocab_size=64, d_model=32, n_layers=4, n_heads=2, block_size=16)
     report = plugin.rewrite(model)
     assert [b.status for b in report.blocks] == ["already"] + ["converted"] * 3, str(report)
     assert LNPlacement.applied_config(model)["mix_post_blocks"] == 1
     with pytest.raises(ValueError, match="mix_post_blocks 1 is not 2"):
-        LNPlacement("mix", mix_post_blocks=2, fused=False).rewrite(model)
-    LNPlacement("mix", mix_post_blocks=1, fused=False).rewrite(model)  # the same function: adopted
+        LNPlacement(PlacementSpec("mix", mix_post_blocks=2), fused=False).rewrite(model)
+    LNPlacement(PlacementSpec("mix", mix_post_blocks=1), fused=False).rewrite(model)  # the same function: adopted
 
 
 def test_plugin_mix_checks_the_scale_and_resolves_the_default_count():
     with pytest.raises(ValueError, match=r"branch_scale=0.5 can't be applied to 2 block\(s\) that are already pre-norm"):
-        LNPlacement("mix", branch_scale=0.5, fused=False).rewrite(_llama())
+        LNPlacement(PlacementSpec("mix", branch_scale=0.5), fused=False).rewrite(_llama())
     model = PostNormTransformerLM(vocab_size=64, d_model=32, n_layers=4, n_heads=2, block_size=16)
     LNPlacement("mix", fused=False).rewrite(model)  # None: a quarter of 4 blocks = 1
-    LNPlacement("mix", mix_post_blocks=1, fused=False).rewrite(model)  # the same function: adopted, not refused
+    LNPlacement(PlacementSpec("mix", mix_post_blocks=1), fused=False).rewrite(model)  # the same function: adopted, not refused
 
 
 def test_norm_hooks_see_the_call_site_normalisation_during_a_transition():

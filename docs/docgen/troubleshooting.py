@@ -42,8 +42,9 @@ SKIP_SITES = {("ln_lightning/cli.py", "SystemExit"), ("ln_lightning/lightning_cl
 HELPERS = {("ln_lightning/_warnings.py", "warn")}
 # Sites that pass on a message collected elsewhere or written by another library: (path, function) -> what it passes.
 PASS_THROUGH = {
-    ("ln_lightning/plugin.py", "__init__"): "LNPlacement's options are checked by `validate_options` (and the transition's "
-    "target by `transition.check_target`): their messages, listed under convert's options, arrive prefixed `LNPlacement: `.",
+    ("ln_lightning/plugin.py", "_placement_spec"): "LNPlacement's options are checked by `PlacementSpec` (`validate_options`, "
+    "and the transition's target by `transition.check_target`): their messages, listed under convert's options, arrive "
+    "prefixed `LNPlacement: `.",
     ("ln_lightning/placement/cli.py", "error"): "`ln-lightning inspect`'s argument errors are argparse's own messages.",
     ("ln_lightning/placement/cli.py", "_load_factory"): "`ln-lightning inspect MODULE:FACTORY`: the factory's own exception, "
     "in one line (`FACTORY() raised TypeError: ...`).",

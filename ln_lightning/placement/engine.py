@@ -31,6 +31,7 @@ from ln_lightning.placement.norms import norm_types
 from ln_lightning.placement.options import mix_split, validate_options
 from ln_lightning.placement.plan import Unrecognised
 from ln_lightning.placement.report import BlockChange, ConversionReport, NormInfo, PlacementReport, StackInfo
+from ln_lightning.placement.spec import PlacementSpec
 from ln_lightning.placement.transaction import Snapshot
 
 PRESERVE_TOLERANCE = 1e-6
@@ -195,7 +196,7 @@ def inspect_model(model: nn.Module, *, example_input: Any = None) -> PlacementRe
 
 def convert(
     model: nn.Module,
-    placement: str = "pre",
+    placement: str | PlacementSpec = "pre",
     *,
     final_norm: bool = True,
     branch_scale: float | str | None = None,
@@ -217,7 +218,9 @@ def convert(
             Peri-LN, Gemma's sandwich; the added output norms are fresh norms of the input norm's class,
             shape and eps with the identity gain), "output" (`x + N(F(x))`, OLMo 2: the sublayer's own
             norm moves to the branch output) or "mix" (Mix-LN: the first `mix_post_blocks` blocks of
-            each stack post-norm, by default a quarter, the rest pre-norm).
+            each stack post-norm, by default a quarter, the rest pre-norm). Or a PlacementSpec, which then holds
+            `final_norm`, `branch_scale`, `layerscale_init` and `mix_post_blocks` (leave those keywords out), and no
+            transition (convert rewrites at once; a transition runs under LNPlacement).
         final_norm: for "pre": give each converted stack that lacks one a final norm where the
             stack's output leaves it, run once per forward. It is a copy of the norm that produced
             the stack's output before (same class, eps and affine parameters, so the head keeps
@@ -248,6 +251,19 @@ def convert(
         (['converted', 'converted'], ['blocks_final_norm'])
     """
     _check_model(model, "convert")
+    if isinstance(placement, PlacementSpec):
+        given = [k for k, v, default in (("final_norm", final_norm, True), ("branch_scale", branch_scale, None),
+                                         ("layerscale_init", layerscale_init, None), ("mix_post_blocks", mix_post_blocks, None))
+                 if v is not default and v != default]
+        if given:
+            raise PlacementError(f"convert: {', '.join(given)} given beside a PlacementSpec, which holds them; set them in "
+                                 "the PlacementSpec")
+        if placement.transition is not None:
+            raise PlacementError("convert rewrites at once, so it takes a PlacementSpec without a transition; a transition "
+                                 "runs under LNPlacement (Trainer(plugins=[LNPlacement(spec)]))")
+        spec = placement
+        placement, final_norm, branch_scale = spec.placement, spec.final_norm, spec.branch_scale
+        layerscale_init, mix_post_blocks = spec.layerscale_init, spec.mix_post_blocks
     validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init,
                      mix_post_blocks=mix_post_blocks)
     if isinstance(model._modules.get("ln_lightning_transition"), nn.Module):

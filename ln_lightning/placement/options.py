@@ -54,3 +54,19 @@ def mix_split(placement: str, depth: int, mix_post_blocks: int | None) -> list[s
         return [placement] * depth
     k = depth // 4 if mix_post_blocks is None else min(mix_post_blocks, depth)
     return ["post"] * k + ["pre"] * (depth - k)
+
+
+# The placements a transition can end at (a function-preserving blend from the model as written).
+TARGETS = ("pre", "peri", "output", "mix")
+
+
+def check_target(placement: str) -> None:
+    """Raise unless a transition can end at `placement` (LNPlacement calls this at construction)."""
+    if placement == "post":
+        raise PlacementError(
+            "a transition to placement='post' can't preserve the function: ln_lightning converts to post-norm "
+            "only by undoing its own rewrite, which has no trained function to keep. Use placement 'pre', 'peri', "
+            "'output' or 'mix', or drop the transition"
+        )
+    if placement not in TARGETS:
+        raise PlacementError(f"a transition ends at one of {', '.join(map(repr, TARGETS))}, not {placement!r}")

@@ -1,4 +1,9 @@
-"""`TransitionSpec`: how a trained model is migrated, spelled and validated in one place.
+"""`PlacementSpec` and `TransitionSpec`: the request, spelled and validated in one place.
+
+``PlacementSpec`` is what a rewrite computes (the placement, the final norm, the branch scale, and the transition to
+it, if any). ``LNPlacement`` and ``convert`` take one (or a placement's name, its shorthand); its ``config`` is the form
+that markers, checkpoint entries, the Hugging Face record and reports serialise, and ``PlacementSpec.from_config``
+reads it back, old checkpoints' entries included.
 
 ``LNPlacement("pre", transition=TransitionSpec(steps=600))`` (or ``transition=600``) asks for a function-preserving
 transition with a budget of 600 optimizer steps. The options that only mean something during a transition live
@@ -19,6 +24,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from ln_lightning.placement.blend import MAX_STEPS
+from ln_lightning.placement.errors import PlacementError
+from ln_lightning.placement.options import TARGETS, check_target, validate_options
 
 OPEN_SCHEDULES = ("linear", "cosine")
 REFERENCES = ("trained", "current")
@@ -146,4 +153,107 @@ class TransitionSpec:
         raise TypeError(f"LNPlacement: transition must be a TransitionSpec, an int (its steps) or None, got {value!r}.")
 
 
-__all__ = ["OPEN_SCHEDULES", "REFERENCES", "TransitionSpec"]
+# Placements whose transition scales the stream by default (TransitionSpec.stream_scale): every target.
+_STREAM_SCALED = TARGETS
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """What a placement rewrite computes: the one spelling of the request, validated when built.
+
+    ``LNPlacement(PlacementSpec("mix", mix_post_blocks=2))``; ``LNPlacement("pre")`` is short for
+    ``LNPlacement(PlacementSpec("pre"))``, and ``LNPlacement("pre", transition=TransitionSpec(steps=600))`` for
+    ``LNPlacement(PlacementSpec("pre", transition=TransitionSpec(steps=600)))``. ``convert(model, spec)`` takes one
+    too (without a transition: ``convert`` rewrites at once). Options that contradict each other can't be built:
+    the error names the option and the fix.
+
+    Args:
+        placement: ``"pre"`` (``x + F(N(x))``), ``"post"`` (``N(x + F(x))``), ``"peri"`` (``x + N_out(F(N(x)))``),
+            ``"output"`` (``x + N(F(x))``) or ``"mix"`` (the first ``mix_post_blocks`` blocks post-norm, the rest pre).
+        final_norm: add a final norm after a stack converted to pre-norm that has none.
+        branch_scale: ``None``, a positive float ``c`` (``x + c*F(N(x))``), ``"depth"`` (``c = 1/sqrt(2L)``),
+            ``"layerscale"`` (a learnable per-channel scale) or ``"stream"`` (constants a transition measures).
+        layerscale_init: the initial LayerScale value (with ``branch_scale="layerscale"``; default: by depth).
+        mix_post_blocks: with ``"mix"``, how many leading blocks of each stack stay post-norm (default: a quarter).
+        transition: ``None`` (the rewrite takes effect at once), a :class:`TransitionSpec`, or an int ``N``
+            (``TransitionSpec(steps=N)``): a function-preserving transition from the trained model to this placement.
+    """
+
+    placement: str = "pre"
+    final_norm: bool = True
+    branch_scale: float | str | None = None
+    layerscale_init: float | None = None
+    mix_post_blocks: int | None = None
+    transition: TransitionSpec | int | None = None
+
+    def __post_init__(self):
+        transition = TransitionSpec.coerce(self.transition)
+        object.__setattr__(self, "transition", transition)
+        validate_options(self.placement, final_norm=self.final_norm, branch_scale=self.branch_scale,
+                         layerscale_init=self.layerscale_init, mix_post_blocks=self.mix_post_blocks)
+        if transition is not None:
+            check_target(self.placement)
+        scale = self.branch_scale
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            object.__setattr__(self, "branch_scale", float(scale))
+        if self.layerscale_init is not None:
+            object.__setattr__(self, "layerscale_init", float(self.layerscale_init))
+
+    @property
+    def stream_scaled(self) -> bool:
+        """Whether the rewrite ends at the stream-scaled form: asked for, or a transition's default."""
+        t = self.transition
+        return self.branch_scale == "stream" or (
+            t is not None and t.stream_scale and self.branch_scale is None and self.placement in _STREAM_SCALED)
+
+    @property
+    def config(self) -> dict:
+        """What the model computes, serialised (markers, checkpoint entries, reports): the resolved branch scale,
+        and the optional keys only where set (so an older checkpoint's entry reads back equal)."""
+        config = {"placement": self.placement, "final_norm": self.final_norm,
+                  "branch_scale": "stream" if self.stream_scaled else self.branch_scale}
+        if self.layerscale_init is not None:
+            config["layerscale_init"] = self.layerscale_init
+        if self.mix_post_blocks is not None:
+            config["mix_post_blocks"] = self.mix_post_blocks
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict, transition: "TransitionSpec | int | None" = None) -> "PlacementSpec":
+        """The spec a serialised ``config`` (a marker's, a checkpoint entry's) describes."""
+        unknown = sorted(set(config) - {"placement", "final_norm", "branch_scale", "layerscale_init", "mix_post_blocks"})
+        if unknown:
+            raise PlacementError(f"a placement record with unknown keys {unknown}: written by a newer ln_lightning? "
+                                 "Upgrade ln_lightning to read it")
+        return cls(**config, transition=transition)
+
+    def short(self) -> str:
+        """The spec as LNPlacement's repr shows it."""
+        parts = [repr(self.placement)] + [f"{k}={v!r}" for k, v in self.config.items() if k != "placement"]
+        if self.transition is not None:
+            parts.append(f"transition={self.transition!r}")
+        return ", ".join(parts)
+
+
+def coerce_placement(value: "PlacementSpec | str", transition: "TransitionSpec | int | None" = None,
+                     where: str = "LNPlacement") -> PlacementSpec:
+    """``placement=`` as LNPlacement and convert take it: a PlacementSpec, or a placement's name (its shorthand).
+    A ``transition`` given beside a spec that has its own is a contradiction, refused."""
+    if isinstance(value, PlacementSpec):
+        if transition is not None:
+            if value.transition is not None:
+                raise ValueError(f"{where}: the transition is given twice, in the PlacementSpec and as transition=; "
+                                 "pass it once")
+            value = PlacementSpec(**{**_fields(value), "transition": transition})
+        return value
+    if isinstance(value, str):
+        return PlacementSpec(value, transition=transition)
+    raise TypeError(f"{where}: placement must be a placement's name ('pre', 'post', 'peri', 'output', 'mix') or a "
+                    f"PlacementSpec, got {type(value).__name__}.")
+
+
+def _fields(spec: PlacementSpec) -> dict:
+    return {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+
+
+__all__ = ["OPEN_SCHEDULES", "REFERENCES", "PlacementSpec", "TransitionSpec", "coerce_placement"]

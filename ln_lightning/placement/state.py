@@ -8,7 +8,7 @@ with the model; ``ddp_spawn`` workers get it). It holds everything the rewrite i
 
 * ``config``: what the model computes, exactly ``LNPlacement``'s / ``convert``'s keyword arguments that change
   the function (``placement``, ``final_norm``, ``branch_scale``, and ``layerscale_init`` / ``mix_post_blocks``
-  when given): ``LNPlacement(**config)`` rebuilds the same rewrite on a fresh model;
+  when given): ``LNPlacement(PlacementSpec.from_config(config))`` rebuilds the same rewrite on a fresh model;
 * ``converted``: the blocks it converted, each with whether it was read from its forward as written (a
   transition blends from there); ``added``: the modules and parameters it added; ``derived``: for an added
   module whose weights start as a copy of another one (a final norm: the norm that fed the head before), the

@@ -78,9 +78,7 @@ from torch import nn
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.blend import ATTR, MAX_STEPS, SCHEDULES, Transition, active, leftovers, schedule
 from ln_lightning.placement.errors import PlacementError
-
-# The placements a transition can end at (from the placement each block is written in).
-TARGETS = ("pre", "peri", "output", "mix")
+from ln_lightning.placement.options import TARGETS, check_target  # the request's rules, re-exported
 
 
 def get_blend(model: nn.Module) -> float | None:
@@ -140,18 +138,6 @@ def measure_stream_scales(model: nn.Module, run, reduce=None) -> str | None:
     with torch.enable_grad():  # the recording skips no-grad forwards (evaluations) and recomputations in backward
         run()
     return t.end_measurement(reduce)
-
-
-def check_target(placement: str) -> None:
-    """Raise unless a transition can end at `placement` (LNPlacement calls this at construction)."""
-    if placement == "post":
-        raise PlacementError(
-            "transition_steps with placement='post' can't preserve the function: ln_lightning converts to post-norm "
-            "only by undoing its own rewrite, which has no trained function to keep. Use placement 'pre', 'peri', "
-            "'output' or 'mix', or drop transition_steps"
-        )
-    if placement not in TARGETS:
-        raise PlacementError(f"a transition ends at one of {', '.join(map(repr, TARGETS))}, not {placement!r}")
 
 
 def start(model: nn.Module, report, *, steps: int | None = None, schedule_kind: str = "linear") -> Transition:
