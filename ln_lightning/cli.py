@@ -15,9 +15,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("inspect", "demo"):
-        from ln_lightning.placement.cli import main as placement_main
+        from ln_lightning.inspect_cli import main as inspect_main
 
-        return placement_main(argv)
+        return inspect_main(argv)
     if argv and argv[0] == "export":
         from ln_lightning.export.cli import main as export_main
 

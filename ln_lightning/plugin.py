@@ -22,6 +22,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
@@ -351,8 +353,6 @@ class LNPlacement(LayerSync, Callback):
         if example is None:
             example = getattr(model, "example_input_array", None)
         if example is not None:
-            from lightning.fabric.utilities.apply_func import move_data_to_device
-
             ref = next(iter(model.parameters()), None)
             if ref is not None and ref.device.type != "meta":
                 example = move_data_to_device(example, ref.device)
@@ -545,8 +545,6 @@ class LNPlacement(LayerSync, Callback):
         sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
         change = None
         if example is not None and not sharded:
-            from lightning.fabric.utilities.apply_func import move_data_to_device
-
             ref = next(iter(pl_module.parameters()), None)
             change = endpoint_change(pl_module, move_data_to_device(example, ref.device) if ref is not None else example)
         if change is None:
@@ -661,8 +659,6 @@ class LNPlacement(LayerSync, Callback):
         payload = {"config": self.config, "fused": self.fused, "strategy": type(trainer.strategy).__name__,
                    "report": report.to_dict(), "fused_swap": self.swap_report, **(final or {})}
         if log_dir:
-            from lightning.fabric.utilities.cloud_io import get_filesystem
-
             fs = get_filesystem(log_dir)
             fs.makedirs(log_dir, exist_ok=True)
             with fs.open(os.path.join(log_dir, REPORT_FILENAME), "w") as f:

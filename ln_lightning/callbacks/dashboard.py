@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
+from PIL import Image, ImageDraw, ImageFont  # a dependency (TensorBoard's add_image needs it too)
+from tensorboard.compat.proto.summary_pb2 import Summary
 
 from ln_lightning._warnings import info, warn
 from ln_lightning.callbacks._placement_lookup import placement_transition_configured
@@ -117,12 +119,6 @@ class DepthProfileWriter:
         if not writers:
             return True
         if self._plot is None:
-            try:
-                import PIL  # noqa: F401 (TensorBoard's add_image needs it too)
-            except ImportError as err:
-                warn(f"{self.owner}: depth-profile images need Pillow ({err}); "
-                     "install it or pass log_depth_profile=False. Scalars are still logged.")
-                return False
             self._plot = DepthProfilePlot()
         try:
             png, height, width = self._plot.render_png(**plot_kwargs)
@@ -131,8 +127,6 @@ class DepthProfileWriter:
                 file_writer = get_file_writer() if callable(get_file_writer) else None
                 if file_writer is not None:
                     # The PNG is already encoded (palette, fast zlib): hand it over as an image summary, as add_image would.
-                    from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: PLC0415 (only with a SummaryWriter)
-
                     image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
                     file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
                 else:
@@ -173,8 +167,6 @@ class DepthProfilePlot:
     """
 
     def __init__(self, panel_width: int = 420, height: int = 260):
-        from PIL import ImageFont  # noqa: PLC0415
-
         self.panel_width = panel_width
         self.height = height
         try:
@@ -195,8 +187,6 @@ class DepthProfilePlot:
 
         A palette image draws and PNG-encodes several times faster than RGB (one byte per pixel).
         """
-        from PIL import Image, ImageDraw  # noqa: PLC0415
-
         panel_width = min(1600, max(self.panel_width, 36 * len(xlabels)))
         width = panel_width * len(panels)
         image = Image.new("P", (width, self.height), 0)

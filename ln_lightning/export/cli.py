@@ -15,6 +15,10 @@ import os
 import sys
 from pathlib import Path
 
+from ln_lightning.checkpoint import CHECKPOINT_KEY, read_checkpoint
+from ln_lightning.export.hf import save_pretrained
+from ln_lightning.plugin import load_converted
+
 
 class CliError(Exception):
     """A checkpoint or option `export` cannot serve: one line, exit code 2."""
@@ -68,7 +72,6 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--native", choices=["auto", "yes", "no"], default="auto",
                    help="auto: the native class where the family has one; yes: require it; no: the remote-code form")
     args = p.parse_args(argv[1:])
-    from ln_lightning.checkpoint import CHECKPOINT_KEY, read_checkpoint
 
     ckpt, out = Path(args.checkpoint), Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -86,8 +89,6 @@ def _main(argv: list[str]) -> int:
         raise CliError(f"{ckpt} does not record its LightningModule's class; pass --model MODULE:CLASS")
     cls = _import_class(spec, "--model" if args.model else "the recorded class")
     del checkpoint
-    from ln_lightning.export.hf import save_pretrained
-    from ln_lightning.plugin import load_converted
 
     module = load_converted(cls, ckpt)
     written = save_pretrained(module, out, native={"auto": None, "yes": True, "no": False}[args.native])

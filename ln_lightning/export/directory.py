@@ -28,6 +28,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -251,8 +252,6 @@ def _model_card(arch: str, name: str) -> str:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("ln-lightning")
     except PackageNotFoundError:  # run from a source tree that is not installed

@@ -11,6 +11,7 @@ as their own code, with no rewrite (no hooks, no ln_lightning classes), whose st
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 from torch import nn
@@ -85,8 +86,6 @@ def torch_transformer(model: nn.Module, record: dict) -> nn.Module:
 
 
 def _x_transformers_classes():
-    import sys
-
     m = sys.modules.get("x_transformers.x_transformers")
     return (m.AttentionLayers,) if m is not None else ()
 

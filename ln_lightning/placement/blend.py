@@ -55,11 +55,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ln_lightning.norm import kinds
 from ln_lightning.placement import hooks
 from ln_lightning.placement.blocks import STREAM_SITE_ATTR, UNSCALED_SITE_ATTR
 from ln_lightning.placement.errors import PlacementError
+from ln_lightning.placement.fused_layers import FUSED_CLASS
 from ln_lightning.placement.norms import norm_types
 from ln_lightning.placement.scale import BranchScale, InputScale
+from ln_lightning.placement.stream_scale import site_ratio
 
 ATTR = "ln_lightning_transition"  # the root's submodule, and the deferred norms' instance attribute
 _PREV_CLASS = "_ln_lightning_pre_transition_class"
@@ -316,8 +319,6 @@ class Transition(nn.Module):
             self._measuring.append(("error", slot, f"{type(e).__name__}: {e}"))
 
     def _measure_site(self, slot: int, norm: nn.Module, h: torch.Tensor) -> None:
-        from ln_lightning.placement.stream_scale import site_ratio
-
         with torch.no_grad():
             self._measuring.append(("site", slot, site_ratio(norm, h)))
 
@@ -497,8 +498,6 @@ def _set_gain(norm: nn.Module, gain: torch.Tensor) -> None:
 def _gain_param(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
     """A norm's gain parameter and what its forward adds to it, as `stream_scale.norm_statistics` reads them:
     `weight` (torch, Hugging Face; Gemma's `1 + w` adds 1), x-transformers' `gamma` / `g` (plus `unit_offset`)."""
-    from ln_lightning.norm import kinds
-
     for name in ("weight", "gamma", "g"):
         p = getattr(norm, name, None)
         if isinstance(p, torch.Tensor):
@@ -627,8 +626,6 @@ class BlendDecoderLayer(nn.TransformerDecoderLayer):
 
 
 def _torch_layer_classes():
-    from ln_lightning.placement.fused_layers import FUSED_CLASS
-
     enc = (nn.TransformerEncoderLayer, FUSED_CLASS[nn.TransformerEncoderLayer])
     dec = (nn.TransformerDecoderLayer, FUSED_CLASS[nn.TransformerDecoderLayer])
     return enc, dec

@@ -22,12 +22,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ln_lightning.placement import black_box, hooks
+from ln_lightning.norm import kinds
+from ln_lightning.placement import black_box, families, hooks
+from ln_lightning.placement.analysis import PARALLEL
 from ln_lightning.placement.checks import CheckFailed, SublayerCheck, check_hooked, relative_error
+from ln_lightning.placement.fused_layers import FUSED_CLASS, PLAIN_CLASS
+from ln_lightning.placement.norms import norm_width
 from ln_lightning.placement.plan import RewritePlan, Unrecognised
 from ln_lightning.placement.report import BlockInfo, SublayerInfo
-from ln_lightning.placement.scale import BranchScale, InputScale
-
+from ln_lightning.placement.scale import BranchScale, InputScale, depth_scale, layerscale_init_for_depth
 
 # On a branch_scale="stream" BranchScale (pre), added output norm (peri) or InputScale (output): the norm whose stream
 # its branch reads.
@@ -42,8 +45,6 @@ class ScaleFactory:
     """Makes the BranchScale for one sublayer, or None (no scaling)."""
 
     def __init__(self, kind, depth: int, layerscale_init: float | None):
-        from ln_lightning.placement.scale import depth_scale, layerscale_init_for_depth
-
         self.kind = kind
         self.unscaled_sites = False  # (see without_scale)
         if kind is None:
@@ -67,7 +68,6 @@ class ScaleFactory:
     def __call__(self, norm: nn.Module) -> BranchScale | None:
         if self.kind is None:
             return None
-        from ln_lightning.placement.norms import norm_width
 
         w = next(iter(norm.parameters()), None)
         dim = norm_width(norm)
@@ -223,7 +223,6 @@ class TorchLayerHandler(Handler):
                 # A hook on the module disables torch's eval fast path, which would skip the scale.
                 getattr(self.block, drop).register_forward_hook(hooks.ScaleBranchOutput(scale, None))
         self.block.norm_first = True
-        from ln_lightning.placement.fused_layers import FUSED_CLASS
 
         # Exact torch layers switch to the subclass that can fuse the stream's add into the next norm.
         if type(self.block) in FUSED_CLASS:
@@ -238,7 +237,6 @@ class TorchLayerHandler(Handler):
             if r:
                 removed.append(r)
         self.block.norm_first = False
-        from ln_lightning.placement.fused_layers import PLAIN_CLASS
 
         if type(self.block) in PLAIN_CLASS:
             self.block.__class__ = PLAIN_CLASS[type(self.block)]
@@ -369,8 +367,6 @@ class HookedHandler(Handler):
         return self._get(last.norm) if last.norm is not None and last.written == "post" else None
 
     def stream_dim(self) -> int:
-        from ln_lightning.placement.norms import norm_width
-
         width = norm_width(self.norms()[0])
         if width is None:
             raise Unrecognised(f"could not tell the stream's width from the norm {self.subs[0].norm}")
@@ -392,8 +388,6 @@ class HookedHandler(Handler):
         return reason
 
     def _refusal(self, placement, scales: ScaleFactory | None = None):
-        from ln_lightning.placement.analysis import PARALLEL
-
         for s in self.subs:
             where = f"stream {self.streams[s.stream].label}: " if len(self.streams) > 1 else ""
             if s.written == placement:
@@ -549,7 +543,6 @@ class HookedHandler(Handler):
                 out_norm=out_norm, scale=getattr(self.block, self._scale_name(s), None),
                 through=self._get(s.norm) if s.written == "post" else None,
             ))
-        from ln_lightning.placement import families
 
         streams = [(None if st.enters is None or st.enters[0] == "module" else st.enters, st.leaves, sc)
                    for st, sc in zip(self.streams, specs)]
@@ -606,8 +599,6 @@ def fresh_norm_like(norm: nn.Module) -> nn.Module:
     """A new norm of `norm`'s class, shape and eps, with the identity gain: weight 1 (0 where the class
     applies `1 + w`, Gemma's), bias 0. Peri-LN (Kim et al. 2025) starts its output norms there: each
     branch output enters the stream at unit root-mean-square per token, whatever the branch's scale."""
-    from ln_lightning.norm import kinds
-
     out = copy.deepcopy(norm)
     hooks.undefer_norm(out)
     out._forward_hooks.clear()

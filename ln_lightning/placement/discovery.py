@@ -20,11 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ln_lightning.placement import hooks
-from ln_lightning.placement.analysis import analyse, stream_input_at, stream_output_at
+from ln_lightning.placement import families, hooks
+from ln_lightning.placement.analysis import analyse, stream_input, stream_input_at, stream_output, stream_output_at
 from ln_lightning.placement.blocks import Handler, HookedHandler, HookedSublayer, Stream, TorchLayerHandler, required_as_none
-from ln_lightning.placement import families
-from ln_lightning.placement.norms import FINAL_NORM_MARKER, norm_types
+from ln_lightning.placement.norms import FINAL_NORM_MARKER, norm_types, norm_width
 from ln_lightning.placement.plan import EntryPlan, RewritePlan, Unrecognised
 from ln_lightning.placement.recording import Recording, record
 from ln_lightning.placement.registry import registered_sublayers
@@ -84,8 +83,6 @@ class ModelRun:
 
     def block_output(self, block: nn.Module):
         """The stream a block returned on its first call."""
-        from ln_lightning.placement.analysis import stream_output
-
         calls = self.rec.module_calls(block)
         v = stream_output(calls[0]) if calls else None
         return None if v is None else self.rec.values[v].tensor
@@ -183,8 +180,6 @@ def synthetic_probe(block: nn.Module, dim: int) -> tuple[tuple, dict]:
 
 
 def _stream_dim(block: nn.Module) -> int:
-    from ln_lightning.placement.norms import norm_width
-
     for m in block.modules():
         if isinstance(m, norm_types()):
             width = norm_width(m)
@@ -284,8 +279,6 @@ def _refuse_second_stream(rec: Recording, call) -> None:
 
     The stream's lineage is what it was computed from by functions alone (pooling, a cast, a norm),
     back to the last residual add: a cross-attention's memory or a mask is not in it."""
-    from ln_lightning.placement.analysis import stream_input
-
     s = stream_input(call)
     if s is None:
         return

@@ -17,14 +17,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ln_lightning.norm import FusedLayerNorm, fused_add_layer_norm
 from ln_lightning.placement import hooks
 
 
 def _fusable(layer: nn.Module, norm: nn.Module) -> bool:
-    try:
-        from ln_lightning.norm import FusedLayerNorm
-    except ImportError:  # the fused norm is an optional part of the package
-        return False
     if not layer.norm_first or hooks.bypassed() or not isinstance(norm, FusedLayerNorm):
         return False
     if norm._forward_hooks or norm._forward_pre_hooks or getattr(norm, "ln_lightning_deferred", False):
@@ -33,8 +30,6 @@ def _fusable(layer: nn.Module, norm: nn.Module) -> bool:
 
 
 def _add_norm(branch_out: torch.Tensor, stream: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    from ln_lightning.norm import fused_add_layer_norm
-
     return fused_add_layer_norm(
         branch_out, stream, norm.weight, norm.bias, norm.eps, normalized_shape=norm.normalized_shape, backend=getattr(norm, "backend", None)
     )

@@ -17,6 +17,11 @@ import copy
 import torch
 from torch import nn
 
+from ln_lightning.norm import kinds
+from ln_lightning.placement.families import norm_classes
+from ln_lightning.placement.hooks import original_class
+from ln_lightning.placement.registry import registered_norm_classes
+
 # On a norm convert added as a stack's final norm: the stack's path. Not a sublayer norm of the block that may hold it.
 FINAL_NORM_MARKER = "ln_lightning_final_norm_of"
 
@@ -27,8 +32,6 @@ class _RecognisedNormMeta(type):
     def __instancecheck__(cls, module) -> bool:
         if not isinstance(module, nn.Module):
             return False
-        from ln_lightning.norm import kinds
-        from ln_lightning.placement.hooks import original_class
 
         key = original_class(module)
         hit = cls._cache.get(key)
@@ -62,9 +65,6 @@ class RecognisedNorm(metaclass=_RecognisedNormMeta):
 
 
 def norm_types() -> tuple[type, ...]:
-    from ln_lightning.placement.families import norm_classes
-    from ln_lightning.placement.registry import registered_norm_classes
-
     types: list[type] = [nn.LayerNorm]
     if hasattr(nn, "RMSNorm"):
         types.append(nn.RMSNorm)

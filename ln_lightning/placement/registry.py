@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ln_lightning.norm import kinds
 from ln_lightning.placement.errors import PlacementError
 
 
@@ -73,7 +74,6 @@ def register_norm_class(norm_class: type) -> None:
         raise PlacementError(f"register_norm_class expects an nn.Module subclass, got {norm_class!r}")
     if norm_class not in _norms:
         _norms.append(norm_class)
-    from ln_lightning.norm import kinds
 
     kinds.register_norm_class(norm_class)  # one registry: the swap and the monitors see it too
 

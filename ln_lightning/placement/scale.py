@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from ln_lightning.placement import hooks
+
 
 def layerscale_init_for_depth(depth: int) -> float:
     """LayerScale's rule (Touvron et al. 2021, CaiT): 0.1 up to 18 blocks, 1e-5 up to 24, 1e-6 deeper."""
@@ -70,8 +72,6 @@ class InputScale(nn.Module):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """What the entry hook calls (as a norm's): the recording tells this division from the user's reads."""
-        from ln_lightning.placement import hooks
-
         with hooks.our_normalization():
             return self.forward(x)
 

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ln_lightning._warnings import warn
+from ln_lightning.norm import FusedLayerNorm
 from ln_lightning.placement import blend
 from ln_lightning.placement.errors import PlacementError
 
@@ -245,8 +246,6 @@ class RewriteState:
 
     def checkpoint_entry(self, root: nn.Module, *, report: Any = None) -> dict:
         """What ``LNPlacement`` writes under ``checkpoint["ln_lightning"]`` (format: ``ln_lightning.checkpoint``)."""
-        from ln_lightning.norm import FusedLayerNorm
-
         return {
             "format": FORMAT,
             "config": dict(self.config),

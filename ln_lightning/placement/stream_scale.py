@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ln_lightning.norm import kinds
+
 
 def norm_statistics(norm: nn.Module) -> tuple[torch.Tensor | None, float, bool]:
     """(gain vector or None, eps, whether it is an RMS norm) of a norm, whatever its class spells them:
@@ -38,8 +40,6 @@ def norm_statistics(norm: nn.Module) -> tuple[torch.Tensor | None, float, bool]:
     if gain is not None and getattr(norm, "unit_offset", False):
         gain = gain + 1.0
     elif gain is not None and gain is getattr(norm, "weight", None):
-        from ln_lightning.norm import kinds
-
         spec = kinds.recognize_norm(norm)
         if spec is not None and spec.unit_offset:  # Gemma's `(1 + w)`: the gain is 1 + weight
             gain = gain + 1.0

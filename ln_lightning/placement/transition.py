@@ -77,6 +77,7 @@ from torch import nn
 
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.blend import ATTR, MAX_STEPS, SCHEDULES, Transition, active, leftovers, schedule
+from ln_lightning.placement.engine import convert
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.options import TARGETS, check_target  # the request's rules, re-exported
 
@@ -104,8 +105,6 @@ def begin(model: nn.Module, placement: str = "pre", *, steps: int | None = None,
     `placement` is one of TARGETS ("pre", "peri", "output", "mix"). Returns the ConversionReport. Set the
     blend with `set_blend`, end with `finish`.
     """
-    from ln_lightning.placement.engine import convert
-
     check_target(placement)
     recorded = rewrite_state.of(model)
     if recorded is not None:

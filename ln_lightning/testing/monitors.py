@@ -24,10 +24,16 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor, _reduce
 from ln_lightning.demo.models import PostNormTransformerLM
 from ln_lightning.testing.dist import DestroyProcessGroupAtExit
 
@@ -84,8 +90,6 @@ class FixedBatchLM(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.fsdp2:
-            from torch.distributed.fsdp import fully_shard
-
             mesh = self.device_mesh["data_parallel"]
             for block in self.model.blocks:
                 fully_shard(block, mesh=mesh)
@@ -159,8 +163,6 @@ class ManualLM(FixedBatchLM):
 
 
 def all_monitors(every: int | None = 2, **kw):
-    from ln_lightning.callbacks import ClipAttributionMonitor, LayerNormInputMonitor, StreamNormMonitor
-
     return [StreamNormMonitor(every_n_steps=every, **kw), LayerNormInputMonitor(every_n_steps=every, **kw),
             ClipAttributionMonitor(every_n_steps=every, **kw)]
 
@@ -174,10 +176,6 @@ class CountReductions(L.Callback):
         self.out = out
 
     def on_train_start(self, trainer, pl_module):
-        import torch.distributed as dist
-
-        from ln_lightning.callbacks import _reduce
-
         self.records, self.copies_at_start, original = [], _reduce.HOST_COPIES, dist.all_reduce
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -190,10 +188,6 @@ class CountReductions(L.Callback):
         dist.all_reduce = all_reduce
 
     def on_train_end(self, trainer, pl_module):
-        import torch.distributed as dist
-
-        from ln_lightning.callbacks import _reduce
-
         dist.all_reduce = dist.all_reduce.original
         Path(self.out, f"reductions_rank{trainer.global_rank}.json").write_text(json.dumps(
             {"all_reduces": self.records, "host_copies": _reduce.HOST_COPIES - self.copies_at_start}))
@@ -201,8 +195,6 @@ class CountReductions(L.Callback):
 
 def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag of the event files under `log_dir`, as [(step, value)]."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     out: dict[str, list[tuple[int, float]]] = {}
     for events in sorted(glob.glob(os.path.join(str(log_dir), "**", "events.out.tfevents.*"), recursive=True)):
         acc = EventAccumulator(events, size_guidance={"scalars": 0, "tensors": 0, "images": 0})
@@ -352,8 +344,6 @@ def compare(logged: dict[str, list[tuple[int, float]]], expected: dict[str, floa
 # Multi-process runs (script entry)
 # ---------------------------------------------------------------------------------------------
 def make_trainer(out: str, name: str, **kw) -> L.Trainer:
-    from lightning.pytorch.loggers import TensorBoardLogger
-
     kw.setdefault("log_every_n_steps", 2)
     kw.setdefault("enable_checkpointing", False)
     kw["callbacks"] = [*kw.get("callbacks", []), DestroyProcessGroupAtExit()]
@@ -376,8 +366,6 @@ def run_ddp(out: str) -> None:
 
 
 def run_fsdp2(out: str) -> None:
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     x, y = make_data(world=2, accum=1)
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     make_trainer(out, "fsdp2", accelerator="cpu", devices=2, strategy=strategy, max_steps=4,

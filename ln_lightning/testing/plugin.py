@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
@@ -144,8 +145,6 @@ class MPProbeLM(ProbeLM):
     """ProbeLM for ModelParallelStrategy: FSDP2 `fully_shard` applied in configure_model (after the rewrite)."""
 
     def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-
         if any(hasattr(p, "full_tensor") for p in self.parameters()):
             return  # configure_model runs again for validate() after fit: Lightning asks it to be idempotent
         self.converted_before_configure_model = LNPlacement.applied_config(self) is not None

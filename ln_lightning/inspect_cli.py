@@ -13,6 +13,12 @@ import json
 import os
 import sys
 
+import torch
+from torch import nn
+
+from ln_lightning.demo import PostNormTransformerLM
+from ln_lightning.placement import convert, inspect_model
+
 
 class CliError(Exception):
     """A problem with what the user asked for: one line, exit code 2."""
@@ -32,8 +38,6 @@ def _load_factory(spec: str):
         if not hasattr(obj, part):
             raise CliError(f"{module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    from torch import nn
-
     if callable(obj) and not isinstance(obj, nn.Module):  # a factory function or a model class
         try:
             obj = obj()
@@ -76,8 +80,6 @@ def main(argv: list[str]) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from ln_lightning.placement import convert, inspect_model
-
     if argv[0] == "demo":
         return _demo(argv[1:])
     p = _Parser(prog="ln-lightning inspect", description="Print a model's residual stacks and norm placement.")
@@ -107,11 +109,6 @@ def _main(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    import torch
-
-    from ln_lightning.demo import PostNormTransformerLM
-    from ln_lightning.placement import convert, inspect_model
-
     torch.manual_seed(0)
     model = PostNormTransformerLM(n_layers=4)
     print(inspect_model(model))
