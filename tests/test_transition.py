@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+import ln_lightning
 from ln_lightning import LNLightningWarning, PlacementSpec, TransitionSpec
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import PlacementError, convert, transition
@@ -1102,3 +1103,18 @@ def test_stream_scaled_output_blend_is_exact_at_both_ends_and_keeps_the_function
         with torch.no_grad():
             scaled_err, plain_err = rel(model_mid(x), post), rel(plain(x), post)
         assert scaled_err < (0.75 if a < 0.5 else 0.5) * plain_err, (a, scaled_err, plain_err)
+
+
+def test_only_the_transition_writes_its_blend():
+    """Issue 32: the Transition (placement/blend.py) is the one writer of its blend buffer; everything else asks it
+    (`set_progress`, `gate`, `hold`, `pinned` for a forward at another blend). The study's DriftBudgetController
+    (placement/transition_control.py) updates a buffer it is handed, for the examples that drive a blend by hand."""
+    import pathlib
+    import re
+
+    write = re.compile(r"\.blend\.(fill_|copy_|zero_|add_|sub_|mul_|clamp_|data)\b|\.blend\s*=[^=]|\.blend\[[^\]]*\]\s*=[^=]")
+    assert write.search("t.blend.fill_(1.0)") and write.search("self.transition.blend.copy_(x)") and not write.search("t.blend == 1")
+    root = pathlib.Path(ln_lightning.__file__).parent
+    writers = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name != "blend.py" or p.parent.name != "placement"
+               for i, line in enumerate(p.read_text().splitlines(), 1) if write.search(line)]
+    assert not writers, writers

@@ -30,7 +30,7 @@ def _tensor(out: Any) -> torch.Tensor | None:
 @torch.no_grad()
 def endpoint_change(model: nn.Module, example: Any) -> float | None:
     """Relative L2 change of `model`'s output on `example` between the function it was written with and the
-    rewrite's end point, at its current weights (eval mode; its mode and blend are restored). In a transition the
+    rewrite's end point, at its current weights (eval mode; its mode is restored, its blend never written). In a transition the
     two ends are blend 0 (bit for bit the model as written) and blend 1; otherwise the model with the rewrite's
     hooks bypassed and the model itself. None when the output holds no tensor."""
     t = blend.active(model)
@@ -38,14 +38,10 @@ def endpoint_change(model: nn.Module, example: Any) -> float | None:
     model.eval()
     try:
         if t is not None:
-            held = t.blend.clone()
-            try:
-                t.blend.fill_(0.0)
+            with t.pinned(0.0):  # the two ends, without writing the blend the model holds
                 before = _tensor(run_model(model, example))
-                t.blend.fill_(1.0)
+            with t.pinned(1.0):
                 after = _tensor(run_model(model, example))
-            finally:
-                t.blend.copy_(held)
         else:
             with hooks.bypass():
                 before = _tensor(run_model(model, example))

@@ -95,7 +95,7 @@ def set_blend(model: nn.Module, a: float) -> None:
     a = float(a)
     if not (0.0 <= a <= 1.0):
         raise PlacementError(f"set_blend: the blend must be in [0, 1], got {a!r}")
-    t.blend.fill_(a)
+    t.set_progress(t.host_steps, a)  # the Transition writes its own blend
 
 
 def begin(model: nn.Module, placement: str = "pre", *, steps: int | None = None, schedule_kind: str = "linear",
