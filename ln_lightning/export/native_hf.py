@@ -27,9 +27,10 @@ from torch import nn
 
 from ln_lightning._extras import require
 from ln_lightning.placement.errors import PlacementError
+from ln_lightning.placement.spec import PlacementSpec
 
 MARKER = "ln_lightning_placement"
-PLAIN_PRE = {"placement": "pre", "final_norm": True, "branch_scale": None}
+PLAIN_PRE = PlacementSpec("pre").config  # what a native pre-norm class computes, in the request's serialised form
 TOLERANCE = 1e-5  # relative L2 of the native model's outputs against the converted model's, on the probe
 
 
