@@ -18,6 +18,7 @@ from torch import nn
 
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import convert, inspect_model
+from ln_lightning.placement.spec import PlacementSpec
 
 
 class CliError(Exception):
@@ -89,12 +90,16 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--branch-scale", default=None, help="with --placement: None, a float, 'depth' or 'layerscale'")
     p.add_argument("--no-final-norm", action="store_true", help="with --placement: don't add final norms")
     args = p.parse_args(argv[1:])
-    scale = _branch_scale(args.branch_scale)
+    if not args.placement and (args.branch_scale is not None or args.no_final_norm):
+        raise CliError("--branch-scale and --no-final-norm describe a conversion: pass --placement pre (or post) with them")
+    # The request is checked before the model is built: a bad option fails fast, with the spec's message.
+    spec = PlacementSpec(args.placement, final_norm=not args.no_final_norm, branch_scale=_branch_scale(args.branch_scale)) \
+        if args.placement else None
     model = _load_factory(args.factory)
     report = inspect_model(model)
     conversion = None
-    if args.placement:
-        conversion = convert(copy.deepcopy(model), args.placement, final_norm=not args.no_final_norm, branch_scale=scale)
+    if spec is not None:
+        conversion = convert(copy.deepcopy(model), spec)
     if args.json:
         out = {"inspect": report.to_dict()}
         if conversion is not None:

@@ -43,3 +43,14 @@ def test_demo_prints_the_conversion_report(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "4/4 blocks converted to pre-norm" in out and "CHANGES the function" in out
+
+
+def test_conversion_options_without_a_placement_are_refused_not_ignored(capsys):
+    assert main(["inspect", "tests.test_placement_cli:build_encoder", "--no-final-norm"]) == 2
+    assert "pass --placement" in capsys.readouterr().err
+
+
+def test_a_bad_request_fails_before_the_model_is_built(capsys):
+    assert main(["inspect", "no_such_module:f", "--placement", "post", "--branch-scale", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "branch_scale applies to pre-norm branches" in err and "no_such_module" not in err
