@@ -170,9 +170,11 @@ def test_fold_norms_gpt2_untied_is_exact():
     model = gpt2(tie=False)
     ref = copy.deepcopy(model)
     report = fold_norms(model, GPT2_INPUT)
-    _check(model, ref, GPT2_INPUT, report, lambda o: o.logits, expect="folded")
-    assert report.norms[-1].reason == "into lm_head"
-    assert "lm_head.bias" in report.added_parameters  # ln_f's bias needs one: lm_head had none
+    _check(model, ref, GPT2_INPUT, report, lambda o: o.logits)
+    assert [n.action for n in report.norms] == ["folded"] * 4 + ["refused"]
+    # ln_f's bias would need a bias on lm_head, which GPT-2 has not: from_pretrained would drop it, silently
+    assert report.norms[-1].reason.startswith("its bias would go into lm_head, which GPT2LMHeadModel builds without")
+    assert model.lm_head.bias is None and not report.added_parameters
     ln = model.transformer.h[0].ln_1
     assert ln.weight is None and ln.bias is None and not ln.elementwise_affine
 
@@ -284,13 +286,20 @@ def test_untie_gpt2_as_built_then_both_rewrites_ship_through_hugging_face(tmp_pa
         assert rel_error(loaded(**GPT2_INPUT).logits, ref(**GPT2_INPUT).logits) <= TOL
 
 
-def test_untie_lets_fold_norms_fold_the_final_norm_into_a_tied_head():
+def test_untie_lets_fold_norms_fold_the_final_norm_into_a_tied_head(tmp_path):
     model = gpt2(tie=True)
+    with torch.no_grad():
+        model.transformer.ln_f.bias.zero_()  # as built: lm_head gets only a zero bias, which a reload may drop
     ref = copy.deepcopy(model)
     report = fold_norms(model, GPT2_INPUT, untie=True)
     _check(model, ref, GPT2_INPUT, report, lambda o: o.logits, expect="folded")
+    assert report.norms[-1].reason == "into lm_head" and report.added_parameters == ["lm_head.bias"]
     assert torch.equal(model.transformer.wte.weight, ref.transformer.wte.weight)  # the embedding is left as it was
     assert not torch.equal(model.lm_head.weight, ref.lm_head.weight)
+    model.save_pretrained(tmp_path)
+    loaded = T.GPT2LMHeadModel.from_pretrained(tmp_path).eval()  # missing gains load as 1 and 0: the same function
+    with torch.no_grad():
+        assert rel_error(loaded(**GPT2_INPUT).logits, ref(**GPT2_INPUT).logits) <= TOL
 
 
 def test_fold_norms_hugging_face_llama_rmsnorm():

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ln_lightning.exact import graph, norms, ties
 from ln_lightning.exact.report import ExactRewriteReport, NormRewrite
@@ -29,6 +30,21 @@ from ln_lightning.exact.to_rmsnorm import all_norms, captured_outputs, per_modul
 
 def _foldable_reader(m: nn.Module | None) -> bool:
     return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward) or is_hf_conv1d(m)
+
+
+# Ops readers_of follows from a norm's output to its linear readers: they pass it on unchanged (no negation: a
+# negated output would fold its bias with the wrong sign).
+_PASSED_ON = graph.RESHAPE | (graph.SAME_SHAPE - graph.NEGATE) | graph.INDEX
+
+
+def _hf_model_holding(model: nn.Module, path: str) -> str:
+    """The class name of the Hugging Face model (a module with a `config` and `save_pretrained`) holding `path`."""
+    parts = path.split(".")
+    for i in range(len(parts)):
+        m = model.get_submodule(".".join(parts[:i]))
+        if hasattr(m, "config") and callable(getattr(type(m), "save_pretrained", None)):
+            return type(m).__name__
+    return ""
 
 
 def _call_input(call) -> int | None:
@@ -54,7 +70,7 @@ def readers_of(t: graph.Traced, out: int) -> tuple[dict[int, tuple[str, nn.Modul
             if call is not None:
                 found[id(call.module)] = (call.name, call.module)
                 continue
-            if e.name in graph.RESHAPE | graph.SAME_SHAPE | graph.INDEX and e.input_value(("arg", 0)) == u:
+            if e.name in _PASSED_ON and e.input_value(("arg", 0)) == u:
                 nd, _ = graph.forward_dim(t.rec, e, u, -1)
                 if nd == -1:
                     todo.extend(o for _, o in e.outputs)
@@ -144,6 +160,7 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
                 break
             readers.update(rs)
             reached |= seen
+        beta = None if why else norms.gain_and_bias(norm, specs.get(name))[1]
         for rname, module in readers.values() if not why else ():
             calls = traced.rec.module_calls(module)
             for k, p in module._parameters.items():
@@ -151,6 +168,13 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
                     why = ties.sharing(traced, f"{rname}.{k}", p, calls, untie)[1]
             if not why and any(_call_input(c) not in reached for c in traced.rec.module_calls(module)):
                 why = f"{rname} is also called on another input"
+            if not why and parametrize.is_parametrized(module):
+                why = f"{rname}'s weight is computed by a parametrization (weight_norm, ...): it can't be folded into"
+            adds_bias = beta is not None and bool(beta.detach().ne(0).any()) and module._parameters.get("bias") is None
+            hf = _hf_model_holding(model, rname) if adds_bias and not why else ""
+            if hf:  # from_pretrained would drop the bias fold_norms adds there, without an error (a zero one: harmless)
+                why = (f"its bias would go into {rname}, which {hf} builds without a bias: a model saved with "
+                       "save_pretrained would load without it, as another function")
             if why:
                 break
         if why:

@@ -28,6 +28,7 @@ MUL = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply", "div", "__t
 _DIV = {"div", "__truediv__", "__itruediv__", "div_", "true_divide", "divide"}
 SAME_SHAPE = {"contiguous", "clone", "to", "float", "double", "half", "bfloat16", "type", "type_as", "detach",
               "dropout", "alpha_dropout", "feature_alpha_dropout", "neg", "__neg__", "negative"}
+NEGATE = {"neg", "__neg__", "negative"}
 RESHAPE = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze"}
 PERMUTE = {"transpose", "permute", "swapaxes", "swapdims", "movedim", "moveaxis", "t"}
 EXPAND = {"expand", "expand_as", "broadcast_to"}

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ln_lightning.exact.graph import Traced, backward_terms, forward_dim
 from ln_lightning.exact import norms as norm_kinds
@@ -98,6 +99,8 @@ def writer_of(t: Traced, v: int, fd: int) -> tuple[Writer | None, str]:
     kind = _writer_op(e, call.module) if call.module is not None else None
     if kind is None:
         return None, ""
+    if parametrize.is_parametrized(call.module):
+        return None, f"{call.name}'s weight is computed by a parametrization (weight_norm, ...): it can't be centred"
     if fd != _feature_dim(kind, call.module, val.tensor):
         return None, f"{call.name}'s output reaches it with its features moved"
     if kind == "embedding" and call.module.max_norm is not None:

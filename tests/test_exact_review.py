@@ -1,0 +1,107 @@
+"""Second review of `to_rmsnorm` / `fold_norms` (issue 34): cases the first tests did not build, each compared with
+a deep copy of the model taken before the rewrite, or with what reloading it gives."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ln_lightning.exact import fold_norms, to_rmsnorm
+
+T = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+IDS = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+
+
+def randomise(model: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # gains around 1, biases around 0.3: neither the centring nor the fold is a no-op
+                p.copy_((1.0 if name.endswith("weight") else 0.3) + 0.5 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+class NegatedReader(nn.Module):
+    """A pre-norm block whose branch reads the norm's output negated: `-(g n + b)` folds as `-g n - b`."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb, self.ln, self.f = nn.Embedding(50, d), nn.LayerNorm(d), nn.Linear(d, d)
+        self.lnf, self.head = nn.LayerNorm(d), nn.Linear(d, 7)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.f(-self.ln(h))
+        return self.head(self.lnf(h))
+
+
+def test_fold_norms_a_negated_norm_output_is_folded_exactly_or_refused():
+    model = randomise(NegatedReader())
+    ref = copy.deepcopy(model)
+    report = fold_norms(model, IDS)  # raised "a bug of ln_lightning's" (the bias folded with the wrong sign)
+    with torch.no_grad():
+        assert rel_error(model(IDS), ref(IDS)) <= 1e-5
+    ln = next(n for n in report.norms if n.name == "ln")
+    assert ln.action == "refused" and "neg" in ln.reason, str(report)
+
+
+class WeightNormed(nn.Module):
+    """A pre-norm block whose branch Linear is weight-normalised (a parametrization: `weight` is computed)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(50, d), nn.LayerNorm(d)
+        self.f = nn.utils.parametrizations.weight_norm(nn.Linear(d, d))
+        self.lnf, self.head = nn.LayerNorm(d), nn.Linear(d, 7)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.f(self.ln(h))
+        return self.head(self.lnf(h))
+
+
+@pytest.mark.parametrize("transform", [to_rmsnorm, fold_norms])
+def test_a_parametrized_linear_is_refused_by_name(transform):
+    model = randomise(WeightNormed())
+    ref = copy.deepcopy(model)
+    report = transform(model, IDS)  # raised AttributeError (to_rmsnorm) / "a bug of ln_lightning's" (fold_norms)
+    with torch.no_grad():
+        assert rel_error(model(IDS), ref(IDS)) <= 1e-5
+    refused = {n.name: n.reason for n in report.refused}
+    name = "lnf" if transform is to_rmsnorm else "ln"  # f writes lnf's input; f reads ln's output
+    assert name in refused and "parametriz" in refused[name], str(report)
+
+
+def _neox() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = T.GPTNeoXConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, use_parallel_residual=True)
+    return randomise(T.GPTNeoXForCausalLM(cfg))  # LayerNorms with biases; lm_head has none
+
+
+def test_fold_norms_of_a_hugging_face_model_reloads_as_the_same_function(tmp_path):
+    """A bias folded into a reader the architecture has without one (GPT-NeoX's lm_head) is dropped by
+    from_pretrained, which loads without complaint: the reloaded model computed another function (0.66)."""
+    model = _neox()
+    ref = copy.deepcopy(model)
+    x = {"input_ids": IDS}
+    report = fold_norms(model, x)
+    model.save_pretrained(tmp_path)
+    back = type(model).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert rel_error(model(**x).logits, ref(**x).logits) <= 1e-5
+        assert rel_error(back(**x).logits, ref(**x).logits) <= 1e-5, str(report)
+    final = next(n for n in report.norms if n.name == "gpt_neox.final_layer_norm")
+    assert final.action == "refused" and "lm_head" in final.reason, str(report)
+    assert len(report.changed) == 4  # the blocks' norms fold into readers that have biases
