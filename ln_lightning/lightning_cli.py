@@ -20,8 +20,9 @@ A `class_path` may name a module of the current directory (`mymodels.MyLM` for `
 `python -m` does, without setting PYTHONPATH.
 
 A config written for an earlier release, with `LNPlacement`'s deprecated keywords (`final_norm`, `branch_scale`,
-`layerscale_init`, `mix_post_blocks`) in its `init_args`, still runs for this release: they are moved into the
-`placement` spec, with a deprecation warning naming the new spelling.
+`layerscale_init`, `mix_post_blocks`, `sync_batchnorm`) in its `init_args`, still runs for this release: they are
+moved into the `placement` spec (`sync_batchnorm: true` into `layer_sync: TorchSyncBatchNorm`), with a deprecation
+warning naming the new spelling.
 """
 
 from __future__ import annotations
@@ -38,22 +39,35 @@ from lightning.pytorch.cli import LightningCLI
 from ln_lightning._warnings import LNLightningDeprecationWarning
 
 _SPEC_KEYS = ("final_norm", "branch_scale", "layerscale_init", "mix_post_blocks")
+_SYNC_KEY = "sync_batchnorm"  # LNPlacement's keyword of the last release: now layer_sync
 
 
 def _respell(plugin: dict) -> bool:
-    """Move an LNPlacement entry's deprecated keywords into its `placement` spec (in place); whether it had any."""
+    """Move an LNPlacement entry's deprecated keywords into its `placement` spec, and `sync_batchnorm` into
+    `layer_sync` (in place); whether it had any."""
     if not (isinstance(plugin, dict) and str(plugin.get("class_path", "")).endswith("LNPlacement")):
         return False
     args = plugin.get("init_args")
-    moved = {k: args.pop(k) for k in _SPEC_KEYS if isinstance(args, dict) and k in args}
+    keys = (*_SPEC_KEYS, _SYNC_KEY)
+    moved = {k: args.pop(k) for k in keys if isinstance(args, dict) and k in args and (k != _SYNC_KEY or isinstance(args[k], bool))}
     if not moved:
         return False
-    placement = args.get("placement", "pre")
-    if isinstance(placement, dict):
-        raise ValueError(f"LNPlacement: {', '.join(moved)} given beside a placement spec, which holds them; set them "
-                         "in the spec (init_args: {placement: {placement: pre, ...}})")
-    args["placement"] = {"placement": placement, **moved}
-    spelled = yaml.safe_dump({"placement": args["placement"]}, default_flow_style=True).strip()
+    spec = {k: v for k, v in moved.items() if k in _SPEC_KEYS}
+    new = {}
+    if spec:
+        placement = args.get("placement", "pre")
+        if isinstance(placement, dict):
+            raise ValueError(f"LNPlacement: {', '.join(spec)} given beside a placement spec, which holds them; set them "
+                             "in the spec (init_args: {placement: {placement: pre, ...}})")
+        args["placement"] = new["placement"] = {"placement": placement, **spec}
+    if _SYNC_KEY in moved:  # LNPlacement's sync_batchnorm=True was layer_sync=TorchSyncBatchNorm()
+        if moved[_SYNC_KEY]:
+            if args.get("layer_sync") is not None:
+                raise ValueError("LNPlacement: pass sync_batchnorm=True or layer_sync=..., not both (Lightning runs one LayerSync).")
+            args["layer_sync"] = new["layer_sync"] = {"class_path": "lightning.pytorch.plugins.TorchSyncBatchNorm"}
+        else:
+            new["layer_sync"] = args.get("layer_sync")
+    spelled = yaml.safe_dump(new, default_flow_style=True, sort_keys=False).strip()
     warnings.warn(f"LNPlacement: the config's init_args {', '.join(moved)} {'is' if len(moved) == 1 else 'are'} deprecated "
                   f"and read for this release only; write them in the placement spec: init_args: {spelled}",
                   LNLightningDeprecationWarning, stacklevel=2)

@@ -68,6 +68,32 @@ def test_a_config_with_the_deprecated_keywords_still_runs_and_warns(tmp_path, ca
     assert yaml.safe_load(old.read_text()) == config  # the user's file is not rewritten
 
 
+@pytest.mark.slow  # jsonargparse's stub lookup, as above
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_config_with_the_last_releases_sync_batchnorm_still_runs_and_warns(tmp_path, capsys, sync):
+    """sync_batchnorm was an explicit LNPlacement keyword of the last release and still works for this one in
+    Python; in a config file LightningCLI refused it (it is no longer in the signature) until it was respelled."""
+    from ln_lightning import LNLightningDeprecationWarning
+
+    config = yaml.safe_load(CONFIG.read_text())
+    (plugin,) = [p for p in config["trainer"]["plugins"] if p["class_path"].endswith("LNPlacement")]
+    plugin["init_args"]["sync_batchnorm"] = sync
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(config))
+    with pytest.warns(LNLightningDeprecationWarning, match=r"sync_batchnorm is deprecated.*layer_sync"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["fit", "--config", str(old), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    (printed,) = [p for p in cfg["trainer"]["plugins"] if p["class_path"].endswith("LNPlacement")]
+    layer_sync = printed["init_args"].get("layer_sync")
+    if sync:
+        assert layer_sync["class_path"].endswith("TorchSyncBatchNorm"), printed
+    else:
+        assert layer_sync is None, printed
+    assert "sync_batchnorm" not in printed["init_args"]
+
+
 @pytest.mark.slow
 def test_demo_fit_writes_report_tensorboard_and_placement_checkpoint(tmp_path):
     assert cli_main(["fit", *_small(tmp_path)]) == 0
