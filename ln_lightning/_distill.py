@@ -17,6 +17,7 @@ between fits (a second fit of the same model uses it) and goes when the transiti
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -50,6 +51,10 @@ class Distillation:
         self._pre_handle = None
         self._rng: tuple | None = None  # the random state the module's forward started from (the teacher's masks)
         self._drift: list[torch.Tensor] = []  # this optimizer step's KLs (every micro-batch), for the closed loop
+        # TransitionSpec.training_drift_factor: on the steps the run sets this, KL(trained || the model pinned at blend 0)
+        # too (one more forward, no gradients): how far training alone has moved the function.
+        self.measure_training_drift = False
+        self._training_drift: list[torch.Tensor] = []
         self._module: LightningModule | None = None
         self._transition = None
         self._wrapper = None
@@ -119,7 +124,7 @@ class Distillation:
         if self._pre_handle is not None:
             self._pre_handle.remove()
             self._pre_handle = None
-        self._rng, self._drift, self._pending = None, [], []
+        self._rng, self._drift, self._pending, self._training_drift = None, [], [], []
         if self._module is not None and self._module.__dict__.get(_STEP) is self._wrapper:
             del self._module.__dict__[_STEP]
 
@@ -145,6 +150,12 @@ class Distillation:
         drift, self._drift = self._drift, []
         return torch.stack(drift).mean() if drift else None
 
+    def take_training_drift(self) -> torch.Tensor | None:
+        """The mean KL(trained || the model at blend 0) of this optimizer step's training forwards, where it was
+        measured (a 0-dim device tensor; else None), and start the next step's."""
+        drift, self._training_drift = self._training_drift, []
+        return torch.stack(drift).mean() if drift else None
+
     # ------------------------------------------------------------------ per step
     def _before_forward(self, module, args):
         # The teacher draws the same dropout masks (and any other random numbers) as this forward: it starts from
@@ -156,27 +167,25 @@ class Distillation:
         self._rng = (torch.get_rng_state(), cuda, torch.cuda.get_rng_state(cuda) if cuda is not None else None)
         return None
 
-    def _teacher_output(self, module, args, kwargs):
+    def _teacher_output(self, module, args, kwargs, rng):
         """The trained function on this forward's inputs, in the module's mode, with this forward's random numbers
         (so at blend 0 it is this forward, bit for bit, dropout included); the random state is left as it was."""
         teacher = self.teacher
         if teacher.training != module.training:
             teacher.train(module.training)
-        rng, self._rng = self._rng, None
-        with torch.random.fork_rng(devices=[rng[1]] if rng is not None and rng[1] is not None else [], enabled=rng is not None):
-            if rng is not None:
-                cpu_state, cuda, cuda_state = rng
-                torch.set_rng_state(cpu_state)
-                if cuda is not None:
-                    torch.cuda.set_rng_state(cuda_state, cuda)
+        with _replayed(rng):
             if not self.live:
                 return trained_output(teacher, *args, **kwargs)
-            self._in_reference = True
-            try:
-                with torch.no_grad(), self._transition.pinned(0.0):
-                    return teacher(*args, **kwargs)
-            finally:
-                self._in_reference = False
+            return self._pinned_output(teacher, args, kwargs)
+
+    def _pinned_output(self, module, args, kwargs):
+        """`module` (the model itself) at blend 0, without gradients and without these hooks' own work."""
+        self._in_reference = True
+        try:
+            with torch.no_grad(), self._transition.pinned(0.0):
+                return module(*args, **kwargs)
+        finally:
+            self._in_reference = False
 
     def _on_forward(self, module, args, kwargs, output):
         # Only the module's calls inside training_step: under DDP, Lightning also calls the module itself with
@@ -185,12 +194,19 @@ class Distillation:
                 or torch._C._current_graph_task_id() != -1):
             return None
         student = logits_of(output)
-        taught = logits_of(self._teacher_output(module, args, kwargs)) if student is not None else None
+        rng, self._rng = self._rng, None
+        taught = logits_of(self._teacher_output(module, args, kwargs, rng)) if student is not None else None
         if student is None or taught is None or student.shape != taught.shape:
             self.off_reason = (f"the LightningModule's output has no predictions to compare (a floating tensor of "
                                f"scores over a last dimension, `logits`, or a tuple's first element: got {type(output).__name__})")
             return None
         self._pending.append(kl_to_teacher(student, taught))
+        if self.measure_training_drift and not self.live:
+            # The same inputs and random numbers at blend 0: what training alone changed since the transition began.
+            with _replayed(rng):
+                written = logits_of(self._pinned_output(module, args, kwargs))
+            if written is not None and written.shape == taught.shape:
+                self._training_drift.append(kl_to_teacher(written, taught).detach())
         return None
 
     def _training_step(self, original, *args: Any, **kwargs: Any):
@@ -215,6 +231,19 @@ class Distillation:
             return {**out, "loss": out["loss"] + term}
         self.off_reason = f"training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'"
         return out
+
+
+@contextlib.contextmanager
+def _replayed(rng: tuple | None):
+    """Inside, the random state `rng` (taken before the student's forward: its dropout masks); outside, the state as
+    it was (None: the random state as it is, nothing replayed)."""
+    with torch.random.fork_rng(devices=[rng[1]] if rng is not None and rng[1] is not None else [], enabled=rng is not None):
+        if rng is not None:
+            cpu_state, cuda, cuda_state = rng
+            torch.set_rng_state(cpu_state)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda_state, cuda)
+        yield
 
 
 __all__ = ["CHECKPOINT_KEY", "Distillation"]

@@ -41,6 +41,7 @@ class TransitionRun:
         self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
         self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
+        self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
 
     # ------------------------------------------------------------------ the plugin's calls
     def start(self, trainer: Trainer, pl_module: LightningModule, t) -> None:
@@ -81,6 +82,8 @@ class TransitionRun:
         # holds its blend for everything else: callbacks, evaluation and checkpoints see the held blend.
         self.endpoint = not self.over_budget and endpoint_step(done, t.steps, self.spec.endpoint_fraction)
         t.train_at_end(self.endpoint)
+        if self.distill is not None:
+            self.distill.measure_training_drift = not self.over_budget and self.spec.measures_training_drift(done)
 
     def end_step(self, trainer: Trainer, pl_module: LightningModule, stepped: bool) -> None:
         """After a training batch: end the first batch's measurement, and, if an optimizer stepped, move the blend."""
@@ -148,7 +151,7 @@ class TransitionRun:
             if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
                 drift = torch.zeros((), device=t.blend.device)
             drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
-            t.gate(drift, spec.tolerance, spec.rate())
+            t.gate(drift, self._tolerance(trainer, pl_module, distill), spec.rate())
             # the smoothed drift the loop just gated on (logged after the gate: never the -1 of "not measured yet")
             pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
@@ -169,6 +172,24 @@ class TransitionRun:
                      f"{self.placement}-norm stands at blend {a:.3g}: {_pace_words(need, self.pace, spec.tolerance)}. Unless "
                      "that changes it will stop where it stands at the budget's end, not finish.")
         return a
+
+    def _tolerance(self, trainer: Trainer, pl_module: LightningModule, distill: Distillation | None):
+        """The tolerance this step gates at: the spec's, or (training_drift_factor) at least that factor times the
+        smoothed training drift, a 0-dim device tensor (no host synchronisation)."""
+        spec = self.spec
+        if spec.training_drift_factor is None:
+            return spec.tolerance
+        measured = distill.take_training_drift() if distill is not None and distill.active else None
+        if measured is not None:
+            measured = trainer.strategy.reduce(measured, reduce_op="mean")  # every rank gates alike
+            pl_module.log("ln_placement/training_drift", measured.clone(), on_step=True, on_epoch=False)
+            # smoothed over measurements, which are steps apart: the last two weigh alike
+            self.training_drift = measured.float() if self.training_drift is None else 0.5 * self.training_drift + 0.5 * measured.float()
+        if self.training_drift is None:
+            return spec.tolerance
+        tolerance = torch.clamp(spec.training_drift_factor * self.training_drift, min=spec.tolerance)
+        pl_module.log("ln_placement/tolerance", tolerance.clone(), on_step=True, on_epoch=False)
+        return tolerance
 
     def _warn_over_budget(self, trainer: Trainer, t, a: float) -> None:
         spec = self.spec

@@ -149,6 +149,55 @@ def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finis
     assert _csv_column(tmp_path / "logs", "ln_placement/distill_kl")[-2:] == [0.0, 0.0]
 
 
+def test_the_training_drift_factor_validates():
+    assert TransitionSpec(steps=10, training_drift_factor=2).training_drift_factor == 2.0
+    with pytest.raises(ValueError, match="training_drift_factor must be a positive number"):
+        TransitionSpec(steps=10, training_drift_factor=0)
+    with pytest.raises(ValueError, match="the open loop"):
+        TransitionSpec(steps=10, tolerance=None, training_drift_factor=2.0)
+    with pytest.raises(ValueError, match="reference='trained'"):
+        TransitionSpec(steps=10, reference="current", training_drift_factor=2.0)
+    with pytest.raises(ValueError, match="training_drift_every must be a positive int"):
+        TransitionSpec(steps=10, training_drift_factor=2.0, training_drift_every=0)
+    spec = TransitionSpec(steps=10, training_drift_factor=2.0, training_drift_every=3)
+    assert [i for i in range(10) if spec.measures_training_drift(i)] == [3, 6, 9]  # never the first (it is 0 there)
+    assert not any(TransitionSpec(steps=10).measures_training_drift(i) for i in range(10))
+
+
+def test_the_tolerance_follows_the_training_drift_where_training_alone_moves_the_function(tmp_path):
+    """A tolerance no blend meets (1e-12) holds a fixed closed loop after its first step (as above); with
+    training_drift_factor the tolerance becomes factor x KL(trained || the model at blend 0), measured at step 2,
+    and the blend goes on. Without the factor it stays held."""
+    base = dict(steps=6, tolerance=1e-12, endpoint_fraction=0.0)
+    runs = {}
+    for name, extra in (("fixed", {}), ("follows", dict(training_drift_factor=1e9, training_drift_every=2))):
+        module = LM("demo", lr=0.05)  # training moves the function from the first step on
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LNLightningWarning)
+            _logged_trainer(tmp_path / name, _plugin(**base, **extra), 6).fit(module, train_dataloaders=loader())
+        runs[name] = module
+    t = transition.active(runs["fixed"])
+    assert t is not None and t.blend.item() == pytest.approx(TransitionSpec(**base).rate(), rel=1e-6)
+    assert transition.active(runs["follows"]) is None  # blend 1 reached: steps 0, 2, 3 advanced (1/3 each)
+    measured = _csv_column(tmp_path / "follows" / "logs", "ln_placement/training_drift")
+    assert len(measured) == 1 and measured[0] > 0.0  # step 2 only (the transition ended at step 3)
+    tolerance = _csv_column(tmp_path / "follows" / "logs", "ln_placement/tolerance")
+    assert tolerance[0] == pytest.approx(1e9 * measured[0], rel=1e-5)
+    assert _csv_column(tmp_path / "fixed" / "logs", "ln_placement/training_drift") == []
+
+
+def test_the_training_drift_is_exactly_zero_where_the_weights_have_not_moved_dropout_included(tmp_path):
+    """lr 0: the model at blend 0 is the trained function; the extra forward replays the step's dropout masks, so
+    the training drift is 0 bit for bit and the tolerance stays the spec's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LNLightningWarning)
+        _logged_trainer(tmp_path, _plugin(steps=20, tolerance=0.5, endpoint_fraction=0.0, training_drift_factor=2.0,
+                                                 training_drift_every=2), 5).fit(
+            DropoutLM(lr=0.0), train_dataloaders=loader())
+    assert _csv_column(tmp_path / "logs", "ln_placement/training_drift") == [0.0, 0.0]  # steps 2 and 4
+    assert set(_csv_column(tmp_path / "logs", "ln_placement/tolerance")) == {0.5}
+
+
 def test_closed_loop_resume_gives_the_uninterrupted_weights(tmp_path):
     spec = dict(steps=6, tolerance=0.5)
     straight = LM("demo")

@@ -86,6 +86,17 @@ class TransitionSpec:
             the transition's checkpoints). ``"current"``: the model itself at blend 0, with the weights it has now
             (no copy): the drift is then what the blend changes, not what continued training learns, which a
             copy's KL also counts and a fixed tolerance then mistakes for the blend's.
+        training_drift_factor: closed loop: ``None``, the tolerance is fixed. A number ``k``: the tolerance follows what
+            continued training alone moves the function by, ``max(tolerance, k * training drift)``, the training drift
+            being KL(trained || the model at blend 0 with the weights it has now), measured every
+            ``training_drift_every`` optimizer steps (one more forward, without gradients, with the step's random
+            numbers) and smoothed. A migration is judged against continuing unchanged; a model whose own continued
+            training moves it far from the trained function (an unsettled one) then gets a tolerance as loose as that,
+            and a settled one keeps ``tolerance``. Needs ``reference="trained"``. Logged as
+            ``ln_placement/training_drift`` and ``ln_placement/tolerance``; a resumed fit starts again from
+            ``tolerance`` until its first measurement.
+        training_drift_every: the optimizer steps between two measurements of the training drift (the step index
+            in the transition a multiple of it, never the first, where it is 0).
     """
 
     steps: int
@@ -96,6 +107,8 @@ class TransitionSpec:
     endpoint_fraction: float = 0.25
     distill: float = 1.0
     reference: str = "trained"
+    training_drift_factor: float | None = None
+    training_drift_every: int = 8
 
     def __post_init__(self):
         steps = self.steps
@@ -122,7 +135,22 @@ class TransitionSpec:
             raise ValueError(f"TransitionSpec: distill must be a finite number >= 0 (0: not added to the loss), got {w!r}.")
         if self.reference not in REFERENCES:
             raise ValueError(f"TransitionSpec: reference must be one of {', '.join(map(repr, REFERENCES))}, got {self.reference!r}.")
-        for name in ("tolerance", "ramp", "endpoint_fraction", "distill"):
+        k = self.training_drift_factor
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 < k < math.inf:
+                raise ValueError(f"TransitionSpec: training_drift_factor must be a positive number or None (a fixed "
+                                 f"tolerance), got {k!r}.")
+            if tol is None:
+                raise ValueError("TransitionSpec: training_drift_factor scales the closed loop's tolerance; the open loop "
+                                 "(tolerance=None) has none. Give a tolerance, or drop training_drift_factor.")
+            if self.reference != "trained":
+                raise ValueError("TransitionSpec: training_drift_factor measures how far training alone moved the model "
+                                 "from the trained function, which reference='current' does not keep. Pass "
+                                 "reference='trained', or drop training_drift_factor.")
+        every = self.training_drift_every
+        if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_STEPS:
+            raise ValueError(f"TransitionSpec: training_drift_every must be a positive int (optimizer steps), got {every!r}.")
+        for name in ("tolerance", "ramp", "endpoint_fraction", "distill", "training_drift_factor"):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(value))
@@ -139,6 +167,11 @@ class TransitionSpec:
     def rate(self) -> float:
         """The closed loop's blend increment per optimizer step that is not an endpoint step."""
         return 1.0 / max(1.0, self.ramp * self.steps * (1.0 - self.endpoint_fraction))
+
+    def measures_training_drift(self, i: int) -> bool:
+        """Whether the ``i``-th optimizer step of the transition (0-based) measures the training drift (one more
+        forward): with ``training_drift_factor`` set, every ``training_drift_every``-th step but the first."""
+        return self.training_drift_factor is not None and i > 0 and i % self.training_drift_every == 0
 
     def to_dict(self) -> dict:
         return asdict(self)
