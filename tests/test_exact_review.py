@@ -105,3 +105,24 @@ def test_fold_norms_of_a_hugging_face_model_reloads_as_the_same_function(tmp_pat
     final = next(n for n in report.norms if n.name == "gpt_neox.final_layer_norm")
     assert final.action == "refused" and "lm_head" in final.reason, str(report)
     assert len(report.changed) == 4  # the blocks' norms fold into readers that have biases
+
+
+def test_to_rmsnorm_hidden_states_asked_for_later_are_the_centred_stream():
+    """What the guide says of a model whose hidden states are read after the rewrite (the example input did not ask
+    for them): each is the original minus its mean over the features (CLIP's penultimate layer, which Stable
+    Diffusion XL reads without the final norm, changes); what a LayerNorm reads is the same."""
+    torch.manual_seed(0)
+    cfg = T.CLIPTextConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=16)
+    model = randomise(T.CLIPTextModel(cfg))
+    ref = copy.deepcopy(model)
+    x = {"input_ids": IDS}
+    report = to_rmsnorm(model, x)
+    assert len(report.changed) == 5, str(report)
+    with torch.no_grad():
+        got = model(**x, output_hidden_states=True)
+        want = ref(**x, output_hidden_states=True)
+    assert rel_error(got.last_hidden_state, want.last_hidden_state) <= 1e-5
+    penultimate, original = got.hidden_states[-2], want.hidden_states[-2]
+    assert rel_error(penultimate, original) > 1e-2  # a visible change
+    assert rel_error(penultimate, original - original.mean(-1, keepdim=True)) <= 1e-5
