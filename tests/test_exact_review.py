@@ -126,3 +126,35 @@ def test_to_rmsnorm_hidden_states_asked_for_later_are_the_centred_stream():
     penultimate, original = got.hidden_states[-2], want.hidden_states[-2]
     assert rel_error(penultimate, original) > 1e-2  # a visible change
     assert rel_error(penultimate, original - original.mean(-1, keepdim=True)) <= 1e-5
+
+
+class _Holder(nn.Module):
+    """A LightningModule's usual shape: the Hugging Face model is an attribute, the root has no config."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids):
+        return self.hf(input_ids=input_ids).logits
+
+
+@pytest.mark.parametrize("transform", [to_rmsnorm, fold_norms])
+def test_untie_unties_the_config_of_a_hugging_face_model_held_inside_the_model(transform):
+    """The config was untied only where the root was the Hugging Face model: held inside, it still said
+    tie_word_embeddings=True and a later tie_weights() (resize_token_embeddings calls it) tied lm_head back to the
+    centred embedding or the embedding back to the folded head (0.44 relative error for to_rmsnorm)."""
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(vocab_size=50, n_positions=16, n_layer=2, n_embd=32, n_head=4)
+    hf = randomise(T.GPT2LMHeadModel(cfg))
+    with torch.no_grad():
+        hf.transformer.ln_f.bias.zero_()  # fold_norms folds ln_f into lm_head only without a bias to add (see above)
+    model = _Holder(hf).eval()
+    ref = copy.deepcopy(model)
+    report = transform(model, IDS, untie=True)
+    assert hf.lm_head.weight is not hf.transformer.wte.weight
+    assert hf.config.tie_word_embeddings is False, str(report)
+    assert any("tie_word_embeddings set to False" in n for n in report.notes), str(report)
+    hf.tie_weights()
+    with torch.no_grad():
+        assert rel_error(model(IDS), ref(IDS)) <= 1e-5

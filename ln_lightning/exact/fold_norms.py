@@ -264,6 +264,6 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
     report.changed_parameters.sort()
     for name, others in tied.items():
         report.notes.append(f"untied: {name} got its own copy (it was shared with {', '.join(others)})")
-    if tied and ties.untie_config(model):
+    if tied and ties.untie_config(model, list(tied)):
         report.notes.append("config.tie_word_embeddings set to False: saving and loading keep the untied copies apart")
     return report

@@ -39,13 +39,21 @@ def own_copies(model: nn.Module, names: list[str]) -> list[tuple[nn.Module, str,
     return undo
 
 
-def untie_config(model: nn.Module) -> bool:
-    """Where a Hugging Face config ties the embeddings, untie it (so save / load keep the copies apart)."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "tie_word_embeddings", False):
-        cfg.tie_word_embeddings = False
-        return True
-    return False
+def untie_config(model: nn.Module, names: list[str]) -> bool:
+    """Where a Hugging Face config ties the embeddings of a model holding one of the parameter slots `names` (the
+    model itself, or one inside it: a LightningModule's), untie it, so that save / load and a later
+    `tie_weights()` keep the copies apart."""
+    untied = False
+    for n in names:
+        parts = n.split(".")[:-1]
+        for i in range(len(parts) + 1):
+            m = model.get_submodule(".".join(parts[:i]))
+            cfg = getattr(m, "config", None)
+            for c in (cfg, getattr(cfg, "get_text_config", lambda: None)() if cfg is not None else None):
+                if c is not None and getattr(c, "tie_word_embeddings", False):
+                    c.tie_word_embeddings = False
+                    untied = True
+    return untied
 
 
 def restore(undo: list[tuple[nn.Module, str, nn.Parameter]]) -> None:

@@ -186,7 +186,7 @@ def to_rmsnorm(model: nn.Module, example_input: Any = None, *, fused: bool = Fal
                             "centred, so the RMSNorms then compute slightly other values than the LayerNorms did")
     for name, others in tied.items():
         report.notes.append(f"untied: {', '.join(others)} got its own copy of {name}, which was centred")
-    if tied and ties.untie_config(model):
+    if tied and ties.untie_config(model, [o for others in tied.values() for o in others]):
         report.notes.append("config.tie_word_embeddings set to False: saving and loading keep the untied copies apart")
     return report
 
