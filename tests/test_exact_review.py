@@ -158,3 +158,24 @@ def test_untie_unties_the_config_of_a_hugging_face_model_held_inside_the_model(t
     hf.tie_weights()
     with torch.no_grad():
         assert rel_error(model(IDS), ref(IDS)) <= 1e-5
+
+
+def test_to_rmsnorm_refuses_a_stream_a_parameter_unread_on_the_example_can_write_into():
+    """ViT with a mask token (masked image modelling): the example without bool_masked_pos never reads mask_token,
+    which a masked call writes into the stream uncentred. All 5 norms were reported exact; a masked call then
+    moved the output by 0.11 (relative)."""
+    torch.manual_seed(0)
+    cfg = T.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                      image_size=16, patch_size=4)
+    model = randomise(T.ViTModel(cfg, use_mask_token=True))
+    with torch.no_grad():
+        model.embeddings.mask_token.normal_()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[:, ::3] = True
+    report = to_rmsnorm(model, x)
+    with torch.no_grad():
+        assert rel_error(model(x, bool_masked_pos=mask).last_hidden_state,
+                         ref(x, bool_masked_pos=mask).last_hidden_state) <= 1e-5, str(report)
+    assert report.refused and all("embeddings.mask_token" in n.reason for n in report.refused), str(report)

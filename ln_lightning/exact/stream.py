@@ -166,6 +166,10 @@ def centring_is_invisible(t: Traced, w: Writer, untie: bool = False) -> str:
         _, why = ties.sharing(t, name, p, t.rec.module_calls(w.module), untie)
         if why:
             return why
+    unread = unread_beside(t, w)
+    if unread:
+        return (f"{unread}, held beside {w.name}, was not read on the example input: a call that reads it (a mask "
+                "token, ...) can write an uncentred term into the stream; the example can't show it doesn't")
     starts = _start_values(t, w)
     if not starts:
         return f"{w.name} was not seen writing on the example input"
@@ -191,6 +195,17 @@ def centring_is_invisible(t: Traced, w: Writer, untie: bool = False) -> str:
                 detail = f" (it {why})" if why else ""
                 return f"{w.name}'s output is read by {t.describe(e)}, which would see the centring{detail}"
             todo.extend((o, nd) for _, o in e.outputs)
+    return ""
+
+
+def unread_beside(t: Traced, w: Writer) -> str:
+    """A parameter of the module holding writer `w` (ViTEmbeddings' mask_token beside its patch projection, class
+    token and position embeddings) that the example input never read, by name; "" where there is none."""
+    path = w.name.rpartition(".")[0]
+    holder = t.model.get_submodule(path)
+    for k, p in holder._parameters.items():
+        if p is not None and id(p) not in t.param_values:
+            return f"{path}.{k}" if path else k
     return ""
 
 
