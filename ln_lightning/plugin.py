@@ -352,6 +352,8 @@ class LNPlacement(LayerSync, Callback):
         example = self.example_input
         if example is None:
             example = getattr(model, "example_input_array", None)
+        if example is None:
+            self._check_final_norms_known(model)
         if example is not None:
             ref = next(iter(model.parameters()), None)
             if ref is not None and ref.device.type != "meta":
@@ -408,6 +410,27 @@ class LNPlacement(LayerSync, Callback):
                 f"already pre-norm ({', '.join(already[:3])}{', ...' if len(already) > 3 else ''}): convert scales a "
                 "branch only when it moves its norm. Drop branch_scale, or convert the model to post-norm first "
                 "(ln_lightning.convert(model, 'post'))."
+            )
+
+    def _check_final_norms_known(self, model: nn.Module) -> None:
+        # Without an input the engine reads the code around a stack with torch.fx; where that fails it can't tell
+        # whether the model applies a norm after the stack, and convert would leave a pre-norm stack that may have
+        # no final norm (its report: not complete). A fit would train that silently: stop it, naming the fix.
+        if not self.spec.final_norm or self.placement == "post":
+            return
+        try:
+            stacks = inspect_model(model).stacks
+        except Exception:  # convert reports what it can't read; this check is only about the final norm
+            return
+        unknown = [s.path or "<root>" for s in stacks if s.final_norm is None and not s.final_norm_known
+                   and any(b.placement != t for b, t in zip(s.blocks, mix_split(self.placement, s.depth, self.mix_post_blocks)))]
+        if unknown:
+            raise PlacementError(
+                f"LNPlacement: without an example input it can't tell whether {type(model).__name__}'s forward applies a "
+                f"norm after {', '.join(unknown)} (the code around it could not be traced), so converting would leave a "
+                f"{self.placement}-norm stack that may have no final norm. Set `self.example_input_array` in your "
+                "LightningModule to an input its forward takes (or pass LNPlacement(..., example_input=...)); the model "
+                "is left as it was."
             )
 
     def check_strategy(self, strategy: Strategy) -> None:

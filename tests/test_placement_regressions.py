@@ -622,16 +622,20 @@ def test_a_block_carrying_two_streams_converts_both_or_neither(second_norm):
 
 def test_a_model_whose_dummy_inputs_fail_is_read_block_by_block_not_refused():
     """Wav2Vec2's dummy_inputs carry no input_values: convert (and LNPlacement, which passes no example when
-    the module has no example_input_array) used to raise there and stop the fit."""
+    the module has no example_input_array) used to raise a TypeError there and stop the fit. convert reads the
+    blocks alone (and says the stack's final norm is unknown: not complete); LNPlacement stops with the fix
+    (issue 34: training such a model would train a pre-norm stack that may lack its final norm)."""
     T = pytest.importorskip("transformers")
     from ln_lightning import LNPlacement
 
     cfg = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16), conv_stride=(2, 2),
                conv_kernel=(3, 3), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, do_stable_layer_norm=False)
     torch.manual_seed(0)
-    report = LNPlacement("pre", fused=False).rewrite(T.Wav2Vec2Model(T.Wav2Vec2Config(**cfg)))
-    assert [b.status for b in report.blocks] == ["converted"] * 2, str(report)
+    report = convert(T.Wav2Vec2Model(T.Wav2Vec2Config(**cfg)), "pre")
+    assert [b.status for b in report.blocks] == ["converted"] * 2 and not report.complete, str(report)
     assert any("dummy_inputs did not run" in n and "example_input=" in n for n in report.notes), str(report)
+    with pytest.raises(PlacementError, match="example_input_array"):
+        LNPlacement("pre", fused=False).rewrite(T.Wav2Vec2Model(T.Wav2Vec2Config(**cfg)))
 
 
 # -- issue 22: no poisoned caches ----------------------------------------------------------------

@@ -520,6 +520,8 @@ def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict
         if strict:
             raise PlacementError("strict conversion: " + msg)
         report.notes.append(msg)
+        if converted:  # its blocks now need a final norm that may be missing: not a finished conversion
+            report.incomplete[stack.path] = f"could not tell whether the model applies a final norm after it: {stack.final_detail}"
         return
     template = fn.template_norm(stack)
     try:
@@ -529,6 +531,8 @@ def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict
         if strict:
             raise PlacementError("strict conversion: " + msg) from None
         report.notes.append(msg)
+        if converted:
+            report.incomplete[stack.path] = f"no final norm could be placed: {e}"
         return
     stack.final_norm = path
     report.added.append(path)

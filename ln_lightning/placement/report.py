@@ -187,6 +187,9 @@ class ConversionReport:
     output_change_scope: str = "none"  # "model" (example input) | "blocks" (max over blocks) | "none"
     preserves_function: bool = True
     notes: list[str] = field(default_factory=list)
+    # Stacks whose blocks were converted but which are left without the final norm the placement needs (it could
+    # not be determined, or not placed): stack path -> why. Such a model is not fully converted (`complete`).
+    incomplete: dict[str, str] = field(default_factory=dict)
 
     @property
     def converted(self) -> list[BlockChange]:
@@ -205,9 +208,15 @@ class ConversionReport:
     def changed(self) -> bool:
         return bool(self.converted or self.added or self.removed)
 
+    @property
+    def complete(self) -> bool:
+        """False when a converted stack was left without the final norm its placement needs (see `incomplete`)."""
+        return not self.incomplete
+
     def to_dict(self) -> dict:
         d = _jsonable(self)
         d["changed"] = self.changed
+        d["complete"] = self.complete
         return d
 
     def to_json(self, **kw) -> str:
@@ -224,6 +233,8 @@ class ConversionReport:
             parts.insert(1, f"{len(self.fallbacks)} of them without the branch scale (see fallback)")
         if self.added:
             parts.append(f"added {len(self.added)} module(s)")
+        if self.incomplete:
+            parts.append(f"NOT fully converted: {len(self.incomplete)} stack(s) without a final norm")
         return ", ".join(parts)
 
     def __str__(self) -> str:
@@ -240,6 +251,8 @@ class ConversionReport:
             out.append(f"added: {a}")
         for r in self.removed:
             out.append(f"removed: {r}")
+        for path, why in self.incomplete.items():
+            out.append(f"NOT fully converted: stack {path or '<root>'} is {self.placement}-norm without a final norm: {why}")
         if not self.changed and self.skipped:
             out.append(f"Nothing changed: {len(self.skipped)} block(s) could not be converted (reasons above); the model is as it was.")
         elif not self.changed:
