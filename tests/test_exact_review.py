@@ -179,3 +179,17 @@ def test_to_rmsnorm_refuses_a_stream_a_parameter_unread_on_the_example_can_write
         assert rel_error(model(x, bool_masked_pos=mask).last_hidden_state,
                          ref(x, bool_masked_pos=mask).last_hidden_state) <= 1e-5, str(report)
     assert report.refused and all("embeddings.mask_token" in n.reason for n in report.refused), str(report)
+
+
+def test_fold_norms_twice_on_llama_reports_nothing_folded_the_second_time():
+    """A Hugging Face RMSNorm keeps its gain, set to 1, after the fold: a second fold_norms reported all 5 norms
+    "folded" again and 16 parameters rewritten, though it multiplied by 1."""
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=64)
+    model = randomise(T.LlamaForCausalLM(cfg))
+    x = {"input_ids": IDS}
+    assert len(fold_norms(model, x).changed) == 5
+    again = fold_norms(model, x)
+    assert not again.changed and not again.changed_parameters, str(again)
+    assert {n.action for n in again.norms} == {"skipped"}, str(again)

@@ -47,6 +47,14 @@ def _hf_model_holding(model: nn.Module, path: str) -> str:
     return ""
 
 
+def _identity(spec) -> bool:
+    """A foreign norm (its class keeps a gain) already folded: gain 1 (offset applied), no bias or a zero one."""
+    if spec is None or spec.weight is None:
+        return False
+    gain = spec.weight.detach() + spec.weight_offset
+    return bool((gain == 1).all()) and (spec.bias is None or not bool(spec.bias.detach().ne(0).any()))
+
+
 def _call_input(call) -> int | None:
     v = call.input_value(("arg", 0))
     return v if v is not None else call.input_value(("kwarg", "input"))
@@ -143,7 +151,7 @@ def fold_norms(model: nn.Module, example_input: Any = None, *, untie: bool = Fal
         why = why or norms.read_by_its_owner(model, name)
         if why:
             pass
-        elif all(p is None for p in norms.gain_and_bias(norm, specs.get(name))):
+        elif all(p is None for p in norms.gain_and_bias(norm, specs.get(name))) or _identity(specs.get(name)):
             why = "no gain or bias to fold"
         elif "ln_lightning_transition" in norm.__dict__:
             why = "a placement transition is in progress on it: finish the migration first"
