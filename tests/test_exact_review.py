@@ -193,3 +193,19 @@ def test_fold_norms_twice_on_llama_reports_nothing_folded_the_second_time():
     again = fold_norms(model, x)
     assert not again.changed and not again.changed_parameters, str(again)
     assert {n.action for n in again.norms} == {"skipped"}, str(again)
+
+
+def test_to_rmsnorm_an_input_written_into_the_stream_must_be_centred_as_the_guide_says():
+    """The guide: embeddings a later call passes itself (inputs_embeds: a soft prompt, a vision projector's output)
+    write into the stream unseen by the example; exact only where they are mean-zero over the features. An example
+    that passes them is refused."""
+    model = _neox()
+    ref = copy.deepcopy(model)
+    assert len(to_rmsnorm(model, {"input_ids": IDS}).changed) == 5
+    e = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(2))
+    centred = e - e.mean(-1, keepdim=True)
+    with torch.no_grad():
+        assert rel_error(model(inputs_embeds=centred).logits, ref(inputs_embeds=centred).logits) <= 1e-5
+        assert rel_error(model(inputs_embeds=e).logits, ref(inputs_embeds=e).logits) > 1e-2
+    refused = to_rmsnorm(copy.deepcopy(ref), {"inputs_embeds": e})
+    assert not refused.changed and all("outside the model" in n.reason for n in refused.refused), str(refused)
