@@ -164,8 +164,10 @@ def _closed_following(fraction: float, tolerance: float, factor: float, every: i
     def build(B):
         from ln_lightning import TransitionSpec
 
-        return _plugin(transition=TransitionSpec(steps=max(1, round(fraction * B)), tolerance=tolerance,
-                                                 training_drift_factor=factor, training_drift_every=every))
+        steps = max(1, round(fraction * B))
+        # (--quick's budgets of a few steps measure every step: the driver's count of the extra forward is then tested)
+        return _plugin(transition=TransitionSpec(steps=steps, tolerance=tolerance, training_drift_factor=factor,
+                                                 training_drift_every=min(every, max(1, steps // 4))))
 
     return build
 
@@ -326,6 +328,7 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
             self.budget_units, self.plugin = budget_units, plugin
             self.loss, self.batch_sum, self.blend, self.evals, self.teacher = [], [], [], [], []
             self.start, self.units = None, 0.0
+            self.training_drift_forwards = 0  # the training drift's extra forwards (TransitionSpec.training_drift_factor)
 
         def _teacher_runs(self, pl_module) -> bool:
             return teacher_in_transition(self.plugin) and transition.active(pl_module) is not None
@@ -349,6 +352,7 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
             self.units += UNITS_FWD + UNITS_BWD + (UNITS_FWD if teacher else 0)
             if teacher and training_drift_forward(self.plugin, t):
                 self.units += UNITS_FWD
+                self.training_drift_forwards += 1
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.loss.append(float(pl_module.last_loss))
@@ -419,6 +423,7 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
     return {
         "model": model_name, "arm": arm, "budget": budget, "seed": seed, "start_step": probe.start, "steps": len(probe.loss),
         "loss": probe.loss, "batch_sum": probe.batch_sum, "blend": probe.blend, "evals": probe.evals, "teacher_steps": sum(probe.teacher),
+        "training_drift_forwards": probe.training_drift_forwards,
         "units": probe.units, "budget_units": budget_units, "final_blend": getattr(probe, "final_blend", None),
         "plugin": plugin_settings(plugin),
         "plugin_logs": memory.rows, "warnings": dedup[:20], "error": error,
@@ -486,7 +491,7 @@ def analyse_arm(r: dict, level: float) -> dict:
     return {
         "at_switch": evals[0][1], "worst_excess": evals[i_peak][1] - level, "worst_step": evals[i_peak][0],
         "final": evals[-1][1], "steps": r["steps"], "units": r["units"], "budget_units": r["budget_units"],
-        "teacher_steps": r["teacher_steps"], "transition_end": end if any(b is not None for b in blend) else None,
+        "teacher_steps": r["teacher_steps"], "training_drift_forwards": r.get("training_drift_forwards"), "transition_end": end if any(b is not None for b in blend) else None,
         "blend_reached": (1.0 if r["final_blend"] is None else r["final_blend"]) if r["arm"] != "unchanged" else None,
         "evals": [[s, round(v, 5)] for s, v in evals], "error": r.get("error"), "warnings": r.get("warnings", []),
         "wall_s": r["wall_s"], "same_batches": None, "ln_lightning": r.get("ln_lightning"),

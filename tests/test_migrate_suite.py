@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "migrate_suite.py"
 MODELS = {"charlm", "bert_mlm", "encoder_cls", "deep_dropout_lm", "bart_denoise", "xt_decoder"}
 ARMS = {"unchanged", "hard", "default", "default_long", "closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02",
-        "closed_S0.6_t0.05", "closed_S0.6_t0.03", "calib_S0.6_t0.05", "calibpc_S0.6_t0.05", "calibpath_S0.6_t0.05"}
+        "closed_S0.6_t0.05", "closed_S0.6_t0.03", "calib_S0.6_t0.05", "calibpc_S0.6_t0.05", "calibpath_S0.6_t0.05", "closed_S0.6_t0.03_k2"}
 TUNED = ("closed_", "calib")  # arms tuned on the tuning half: on the held-out half only the one picked there runs
 
 
@@ -74,7 +74,10 @@ def test_migrate_suite_quick(tmp_path):
             # the endpoint calibration's compute is in the count (cut to what the budget leaves, or not run, with why)
             calib = sum(c.get("units", 0) for c in r.get("calibration") or [])
             assert (calib > 0 or any("error" in c for c in r.get("calibration") or [])) == r["arm"].startswith("calib")
-            assert r["teacher_steps"] > 0 and r["units"] == 3 * r["steps"] + r["teacher_steps"] + calib
+            # and the training drift's extra forwards (closed_S0.6_t0.03_k2's only)
+            drift_fwd = r["training_drift_forwards"]
+            assert (drift_fwd > 0) == r["arm"].endswith("_k2")
+            assert r["teacher_steps"] > 0 and r["units"] == 3 * r["steps"] + r["teacher_steps"] + calib + drift_fwd
 
     md = (tmp_path / "results.md").read_text()
     assert md == _render(res)
