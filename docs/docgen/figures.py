@@ -54,6 +54,9 @@ SOURCES: dict[str, str] = {
     "bench_convert": "results/bench_convert/results.json",
     "bench_transition": "results/bench_transition/results.json",
     "bench_monitors": "results/bench_monitors/results.json",
+    # benchmarks/bench_exact_rewrites.py --json docs/results/bench_exact_rewrites/runN.json (two runs, one after the other)
+    "bench_exact_rewrites_run1": "results/bench_exact_rewrites/run1.json",
+    "bench_exact_rewrites_run2": "results/bench_exact_rewrites/run2.json",
     "bench_norm_cpu_threads1": "results/bench_norm/cpu_threads1.json",
     "bench_norm_cpu_threads2": "results/bench_norm/cpu_threads2.json",
     "bench_norm_rms_cpu_run1": "results/bench_norm/rms_cpu_run1.json",

@@ -127,6 +127,47 @@ def bench_convert() -> str:
                               + _load_note(d) + _caption("bench_convert")])
 
 
+def bench_exact_rewrites() -> str:
+    runs = [load("bench_exact_rewrites_run1"), load("bench_exact_rewrites_run2")]
+    cfg = runs[0]["config"]
+
+    def row(d, norms, rewrite, mode):
+        return next((r for r in d["rows"] if r["norms"] == norms and r["rewrite"] == rewrite and r["mode"] == mode), None)
+
+    def cell(norms, rewrite, mode):
+        rs = [row(d, norms, rewrite, mode) for d in runs]
+        return "—" if any(r is None for r in rs) else " / ".join(_x(r["speedup_vs_migrated"]) for r in rs)
+
+    lines = [
+        f"The demo LM after `convert(..., \"pre\")`, {cfg['blocks']} blocks × {cfg['width']} wide, a batch of {cfg['batch']} × "
+        f"{cfg['seq']} tokens, on CPU (torch threads: {runs[0]['torch_threads']}; {runs[0]['cpu_count']} cores). Speedup over the migrated model with the "
+        "same norms (above 1: faster), run 1 / run 2; each the median of "
+        f"{cfg['repeats']} interleaved repeats' paired ratios. Inference is an eval-mode forward under `no_grad`; a training "
+        "step is forward, cross-entropy, backward and an AdamW step (a folded model has no gains to train: —).",
+        "",
+        "| rewrite | inference, torch norms | inference, fused norms | train step, torch norms | train step, fused norms | "
+        "largest relative output error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rewrite in ("to_rmsnorm", "fold_norms", "to_rmsnorm + fold_norms"):
+        err = max(row(d, n, rewrite, "inference")["max_rel_error_vs_migrated"] for d in runs for n in ("eager", "fused"))
+        lines.append(f"| `{rewrite}` | " + " | ".join(cell(n, rewrite, m) for m in ("inference", "train step")
+                                                        for n in ("eager", "fused")) + f" | {err:.0e} |")
+    base = [[row(d, n, "migrated", m)["median_ms"] for d in runs] for m in ("inference", "train step") for n in ("eager", "fused")]
+    ms = [" / ".join(f"{v:.1f}" for v in b) for b in base]
+    lines += [
+        "",
+        f"The migrated model itself, in ms (run 1 / run 2): inference {ms[0]} with torch's norms, {ms[1]} fused; a training "
+        f"step {ms[2]} and {ms[3]}. The fused norms over torch's on the migrated model: inference "
+        f"{cell('fused', 'migrated (over eager migrated)', 'inference')}, train step "
+        f"{cell('fused', 'migrated (over eager migrated)', 'train step')}.",
+        "",
+        " ".join(f"Run {i + 1}: load average {d['load_average'][0]:.1f} at the start, {d['load_average'][1]:.1f} at the end."
+                 for i, d in enumerate(runs)) + " " + _caption("bench_exact_rewrites_run1", "bench_exact_rewrites_run2"),
+    ]
+    return "\n".join(lines)
+
+
 def bench_transition() -> str:
     d = load("bench_transition")
     rows = d["rows"]
@@ -466,6 +507,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "bench_norm_rms": bench_norm_rms,
     "bench_convert": bench_convert,
     "bench_transition": bench_transition,
+    "bench_exact_rewrites": bench_exact_rewrites,
     "bench_monitors": bench_monitors,
     "migrate_trained_arms": migrate_trained_arms,
     "migrate_trained_setup": migrate_trained_setup,
