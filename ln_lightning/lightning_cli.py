@@ -20,9 +20,10 @@ A `class_path` may name a module of the current directory (`mymodels.MyLM` for `
 `python -m` does, without setting PYTHONPATH.
 
 A config written for an earlier release, with `LNPlacement`'s deprecated keywords (`final_norm`, `branch_scale`,
-`layerscale_init`, `mix_post_blocks`, `sync_batchnorm`) in its `init_args`, still runs for this release: they are
-moved into the `placement` spec (`sync_batchnorm: true` into `layer_sync: TorchSyncBatchNorm`), with a deprecation
-warning naming the new spelling.
+`layerscale_init`, `mix_post_blocks`, `sync_batchnorm`, `transition_*`) in its `init_args`, still runs for this
+release: they are moved into the `placement` spec (`sync_batchnorm: true` into `layer_sync: TorchSyncBatchNorm`, the
+`transition_*` keys into `transition: TransitionSpec(..., tolerance=None)`, the open loop they had), with a
+deprecation warning naming the new spelling.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from ln_lightning._warnings import LNLightningDeprecationWarning
 
 _SPEC_KEYS = ("final_norm", "branch_scale", "layerscale_init", "mix_post_blocks")
 _SYNC_KEY = "sync_batchnorm"  # LNPlacement's keyword of the last release: now layer_sync
+# LNPlacement's transition keywords of the last release -> TransitionSpec's fields (the open loop they had).
+_TRANSITION_KEYS = {"transition_steps": "steps", "transition_schedule": "schedule", "transition_stream_scale": "stream_scale",
+                    "transition_endpoint_fraction": "endpoint_fraction", "transition_distill": "distill"}
 
 
 def _respell(plugin: dict) -> bool:
@@ -48,7 +52,7 @@ def _respell(plugin: dict) -> bool:
     if not (isinstance(plugin, dict) and str(plugin.get("class_path", "")).endswith("LNPlacement")):
         return False
     args = plugin.get("init_args")
-    keys = (*_SPEC_KEYS, _SYNC_KEY)
+    keys = (*_SPEC_KEYS, _SYNC_KEY, *_TRANSITION_KEYS)
     moved = {k: args.pop(k) for k in keys if isinstance(args, dict) and k in args and (k != _SYNC_KEY or isinstance(args[k], bool))}
     if not moved:
         return False
@@ -60,6 +64,19 @@ def _respell(plugin: dict) -> bool:
             raise ValueError(f"LNPlacement: {', '.join(spec)} given beside a placement spec, which holds them; set them "
                              "in the spec (init_args: {placement: {placement: pre, ...}})")
         args["placement"] = new["placement"] = {"placement": placement, **spec}
+    old = {_TRANSITION_KEYS[k]: v for k, v in moved.items() if k in _TRANSITION_KEYS}
+    if old.get("steps", 0) is None:  # transition_steps: null, the old default: no transition
+        del old["steps"]
+    if old:
+        if "steps" not in old:
+            raise ValueError(f"LNPlacement: {', '.join(k for k in moved if k in _TRANSITION_KEYS)} apply only with "
+                             "transition_steps, which is missing. Write init_args: {transition: {class_path: "
+                             "ln_lightning.TransitionSpec, init_args: {steps: N, ...}}}")
+        if args.get("transition") is not None:
+            raise ValueError("LNPlacement: pass transition (a TransitionSpec) or the deprecated transition_* keys, not both")
+        # tolerance: null keeps the open-loop schedule the keys had (TransitionSpec's default is the closed loop).
+        args["transition"] = new["transition"] = {"class_path": "ln_lightning.TransitionSpec",
+                                                  "init_args": {**old, "tolerance": None}}
     if _SYNC_KEY in moved:  # LNPlacement's sync_batchnorm=True was layer_sync=TorchSyncBatchNorm()
         if moved[_SYNC_KEY]:
             if args.get("layer_sync") is not None:

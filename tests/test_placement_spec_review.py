@@ -11,19 +11,11 @@ from ln_lightning.demo.models import PostNormTransformerLM
 from ln_lightning.placement.errors import PlacementError
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PlacementSpec.__post_init__ accepts branch_scale='stream' beside TransitionSpec(stream_scale=False) and "
-    "stream_scaled then ignores the explicit False; fix in placement/spec.py (refuse the pair), which another "
-    "helper has uncommitted edits in"))
 def test_a_stream_branch_scale_beside_a_transition_without_stream_scale_is_refused():
     with pytest.raises((PlacementError, ValueError), match="stream_scale"):
         PlacementSpec("pre", branch_scale="stream", transition=TransitionSpec(steps=5, stream_scale=False))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "convert() tells a keyword given beside a PlacementSpec from its default by value (final_norm=True, "
-    "branch_scale=None), so an explicit final_norm=True beside PlacementSpec(final_norm=False) is dropped silently "
-    "(no final norm added); fix in placement/engine.py with a sentinel default, which another helper is editing"))
 def test_convert_refuses_an_explicit_default_valued_keyword_beside_a_spec_that_differs():
     model = PostNormTransformerLM(vocab_size=50, d_model=16, n_layers=2, n_heads=2, block_size=8).eval()
     with pytest.raises(PlacementError, match="final_norm given beside a PlacementSpec"):

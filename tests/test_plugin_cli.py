@@ -94,6 +94,34 @@ def test_a_config_with_the_last_releases_sync_batchnorm_still_runs_and_warns(tmp
     assert "sync_batchnorm" not in printed["init_args"]
 
 
+@pytest.mark.slow  # jsonargparse's stub lookup, as above
+def test_a_config_with_the_last_releases_transition_keys_runs_the_open_loop_they_had(tmp_path, capsys):
+    from ln_lightning import LNLightningDeprecationWarning
+
+    config = yaml.safe_load(CONFIG.read_text())
+    (plugin,) = [p for p in config["trainer"]["plugins"] if p["class_path"].endswith("LNPlacement")]
+    plugin["init_args"].update(transition_steps=40, transition_schedule="cosine", transition_distill=0.0)
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(config))
+    with pytest.warns(LNLightningDeprecationWarning, match=r"transition_steps.*deprecated.*TransitionSpec"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["fit", "--config", str(old), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    (printed,) = [p for p in cfg["trainer"]["plugins"] if p["class_path"].endswith("LNPlacement")]
+    t = printed["init_args"]["transition"]
+    t = t.get("init_args", t)  # jsonargparse prints a dataclass as its fields
+    assert (t["steps"], t["schedule"], t["distill"], t["tolerance"]) == (40, "cosine", 0.0, None), t
+    assert not any(k.startswith("transition_") for k in printed["init_args"])
+
+
+def test_transition_keys_without_transition_steps_are_refused_in_a_config():
+    from ln_lightning.lightning_cli import _respell
+
+    with pytest.raises(ValueError, match="apply only with transition_steps"):
+        _respell({"class_path": "ln_lightning.LNPlacement", "init_args": {"transition_schedule": "cosine"}})
+
+
 @pytest.mark.slow
 def test_demo_fit_writes_report_tensorboard_and_placement_checkpoint(tmp_path):
     assert cli_main(["fit", *_small(tmp_path)]) == 0

@@ -194,16 +194,35 @@ def inspect_model(model: nn.Module, *, example_input: Any = None) -> PlacementRe
     return report
 
 
+class _Default:
+    """A keyword's default that convert can tell from the same value passed explicitly (beside a PlacementSpec,
+    an explicit value is a second spelling of the request, refused); it reads as the value in the signature."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _given(value) -> bool:
+    return not isinstance(value, _Default)
+
+
+def _value(value):
+    return value.value if isinstance(value, _Default) else value
+
+
 def convert(
     model: nn.Module,
     placement: str | PlacementSpec = "pre",
     *,
-    final_norm: bool = True,
-    branch_scale: float | str | None = None,
+    final_norm: bool = _Default(True),
+    branch_scale: float | str | None = _Default(None),
     strict: bool = False,
     example_input: Any = None,
-    layerscale_init: float | None = None,
-    mix_post_blocks: int | None = None,
+    layerscale_init: float | None = _Default(None),
+    mix_post_blocks: int | None = _Default(None),
 ) -> ConversionReport:
     """Rewrite the norm placement of every recognised residual block, in place.
 
@@ -252,9 +271,8 @@ def convert(
     """
     _check_model(model, "convert")
     if isinstance(placement, PlacementSpec):
-        given = [k for k, v, default in (("final_norm", final_norm, True), ("branch_scale", branch_scale, None),
-                                         ("layerscale_init", layerscale_init, None), ("mix_post_blocks", mix_post_blocks, None))
-                 if v is not default and v != default]
+        given = [k for k, v in (("final_norm", final_norm), ("branch_scale", branch_scale),
+                                 ("layerscale_init", layerscale_init), ("mix_post_blocks", mix_post_blocks)) if _given(v)]
         if given:
             raise PlacementError(f"convert: {', '.join(given)} given beside a PlacementSpec, which holds them; set them in "
                                  "the PlacementSpec")
@@ -264,6 +282,8 @@ def convert(
         spec = placement
         placement, final_norm, branch_scale = spec.placement, spec.final_norm, spec.branch_scale
         layerscale_init, mix_post_blocks = spec.layerscale_init, spec.mix_post_blocks
+    final_norm, branch_scale = _value(final_norm), _value(branch_scale)
+    layerscale_init, mix_post_blocks = _value(layerscale_init), _value(mix_post_blocks)
     validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init,
                      mix_post_blocks=mix_post_blocks)
     if isinstance(model._modules.get("ln_lightning_transition"), nn.Module):

@@ -226,6 +226,9 @@ class PlacementSpec:
                          layerscale_init=self.layerscale_init, mix_post_blocks=self.mix_post_blocks)
         if transition is not None:
             check_target(self.placement)
+            if self.branch_scale == "stream" and not transition.stream_scale:
+                raise PlacementError("branch_scale='stream' is the stream-scaled transition's end point, and the "
+                                     "TransitionSpec asks for stream_scale=False (the plain blend): drop one of the two")
         scale = self.branch_scale
         if isinstance(scale, (int, float)) and not isinstance(scale, bool):
             object.__setattr__(self, "branch_scale", float(scale))
