@@ -15,7 +15,9 @@ from torch import nn
 
 from _helpers_norm_cases import rms_cases
 from ln_lightning.testing.norm import Case, assert_narrow_rows_accurate
-from ln_lightning.testing.norm_rms import EPS, RMSCase, assert_rows_independent, assert_within_torch_error
+from ln_lightning.testing.norm_rms import (
+    EPS, RMSCase, assert_each_row_within_torch_error, assert_rows_independent, assert_within_torch_error,
+)
 from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, fused_add_rms_norm, rms_norm, swap_layernorms
 from ln_lightning.norm import _cpu_rms_kernels, _rms_torch_ops, functional_rms
 
@@ -77,6 +79,8 @@ EDGE = [
     # Width 1, found by the randomized sweep (issue 23): dx 5.8e-6 (compiled) / 6.5e-6 (aten) > allowed 4.4e-6 on
     # the textbook backward.
     RMSCase(Case(8, 1, torch.float32, True, "none", 0.0, 0, True, 2053611722), "llama", True),
+    # Width 2, a constant row with Gemma's 1 + w (issue 32): dx 1.5e-6 (compiled) > allowed 1.3e-6; 4.6e-8 now.
+    RMSCase(Case(1, 2, torch.float32, False, "no_bias", 0.0, 2, False, 1622986504), "llama", True),
 ]
 
 
@@ -99,6 +103,24 @@ def test_width_one_backward_does_not_cancel(dtype, cpu_path):
         return torch.autograd.grad(y, x, dy)[0]
 
     assert_narrow_rows_accurate("rms", grad, dtype, rel_tol=1e-5 if dtype == torch.float32 else 1e-2, eps=EPS)
+    assert bool(calls) == (name == "compiled")
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 8, 16, 64, 255])
+def test_each_row_within_torch_error_when_the_gradient_lies_near_the_row(width, offset, cpu_path):
+    # The perpendicular part g - q n of the input gradient is a small difference of large terms when g lies near
+    # n; Gemma's 1 + w makes g larger against it. Issue 32: the compiled kernel reached 1.9x the 2x-torch bound on
+    # single rows at width 2 with offset 1 (the aten composition 1.3x at width 8). Every row is held to the bound
+    # on its own, as a one-row call would be, at every width.
+    name, calls = cpu_path
+
+    def grad(h, w, offset, dy):
+        x = h.clone().requires_grad_()
+        y, _, _ = _rms_torch_ops.add_rms_norm_eager(x, None, w, EPS, False, offset, "fp32")
+        return torch.autograd.grad(y, x, dy)[0]
+
+    assert_each_row_within_torch_error(grad, width, offset)
     assert bool(calls) == (name == "compiled")
 
 

@@ -88,15 +88,19 @@ def add_rms_norm_backward_impl(
     n = hc * r
     dyc = dy if dy.dtype == cdt else dy.to(cdt)
     g = dyc if weight is None else dyc * (weight.to(cdt) + offset)
-    # _rms_common.BACKWARD_FORM, without the textbook form's cancellation (no host sync: where, not if)
-    t = r.square().mul_(eps)
+    # _rms_common.BACKWARD_FORM, without the textbook form's cancellation (no host sync: where, not if),
+    # evaluated in float64 with q n = (sum(g h) / sum(h h)) h: g - q n also cancels when g lies near n
+    # (issue 32), and rounding it once keeps it within torch's own error row by row.
+    wide = torch.float64
+    gw, hw, rw = g.to(wide), hc.to(wide), rstd.to(wide).unsqueeze(-1)
+    t = rw.square().mul_(eps)
     if h.shape[-1] == 1:  # no part of g perpendicular to n
-        dh = g * t.mul_(r)
+        dh = gw * t.mul_(rw)
     else:
-        snn = n.square().sum(-1, keepdim=True)
-        q = (g * n).sum(-1, keepdim=True).div_(torch.where(snn > 0, snn, 1))
-        dh = torch.addcmul(g, q, n, value=-1).addcmul_(t.mul_(q), n).mul_(r)
-    dh = dh if dh.dtype == h.dtype else dh.to(h.dtype)
+        shh = hw.square().sum(-1, keepdim=True)
+        q = (gw * hw).sum(-1, keepdim=True).div_(torch.where(shh > 0, shh, 1))
+        dh = torch.addcmul(gw, q, hw, value=-1).addcmul_(t.mul_(q), hw).mul_(rw)
+    dh = dh.to(h.dtype)
     if dresidual is not None:
         dh.add_(dresidual)  # fused residual-gradient accumulation: no extra tensor
     dw = (dyc * n).sum(0).to(weight.dtype) if need_w else h.new_empty(0)

@@ -136,11 +136,17 @@ def _rms_bwd_kernel(
                 g = dy
             if NEED_DW:
                 dw_acc += dy * n
-            # _rms_common.BACKWARD_FORM: dh = rstd * ((g - q n) + t q n), no cancellation along n
-            snn = tl.sum(n * n, axis=0)
-            q = tl.sum(g * n, axis=0) / tl.where(snn > 0, snn, 1.0)
+            # _rms_common.BACKWARD_FORM: dh = rstd * ((g - q n) + t q n), no cancellation along n; and, as in
+            # the CPU kernel, q n = (sum(g h) / sum(h h)) h with the sums in float64 and g - q h as two fused
+            # multiply-adds by q split into two floats, so that g - q n is rounded about once (issue 32)
+            hd = h.to(tl.float64)
+            shh = tl.sum(hd * hd, axis=0)
+            q = tl.sum(g.to(tl.float64) * hd, axis=0) / tl.where(shh > 0, shh, 1.0)
+            q_hi = q.to(tl.float32)
+            q_lo = (q - q_hi.to(tl.float64)).to(tl.float32)
             t = eps * rstd * rstd
-            dh = tl.where(N == 1, (rstd * t) * g, ((g - q * n) + (t * q) * n) * rstd)  # width 1: all along n
+            perp = tl.fma(-q_lo, h, tl.fma(-q_hi, h, g))
+            dh = tl.where(N == 1, (rstd * t) * g, (perp + (t * q_hi) * h) * rstd)  # width 1: all along n
             if HAS_DRES:
                 dh += dres
             tl.store(DH + r64 * stride_dh + cols, _cast(dh, DH.dtype.element_ty), mask=mask)

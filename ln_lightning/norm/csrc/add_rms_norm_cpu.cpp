@@ -15,6 +15,11 @@
 // when the row is narrow (width 1: g * (1 - n^2), 1 - n^2 = eps / (h^2 + eps), 2.5e-6 at h = 2) or
 // g lies near n. Here that factor is t, exact to rounding; at width 1 there is no perpendicular
 // part (g - q n is 0 in exact arithmetic) and dh = rstd * t * g.
+// The perpendicular part g - q n cancels too when g lies near n (a constant row, and more so with Gemma's
+// 1 + w, which makes g larger against the result: issue 32, 1.2-1.6x our 2x-torch bound at width 2). So
+// q n is taken as (sum(g h) / sum(h h)) h, rstd cancelling, with the two row sums in double and g - q h as
+// fused multiply-adds by q split into two floats: the perpendicular part is rounded about once, instead of
+// carrying a few float roundings of g.
 //
 // round_normed: round h * rstd to the input dtype before the weight multiply (HF LlamaRMSNorm's
 // cast order `weight * hidden.to(input_dtype)`); otherwise the product is taken in float32 and
@@ -62,8 +67,9 @@ inline float fold(const float* acc) {
 
 // The same sum as a tree (8 + 4 + 2 + 1 adds, vectorisable): the backward folds two or three accumulators per
 // row before it can start its last pass, and at narrow widths the serial fold's latency was a visible share.
-inline float fold_tree(const float* acc) {
-  float t[kLanes / 2];
+template <typename A>
+inline A fold_tree(const A* acc) {
+  A t[kLanes / 2];
   for (int64_t l = 0; l < kLanes / 2; ++l) t[l] = acc[l] + acc[l + kLanes / 2];
   for (int64_t w = kLanes / 4; w >= 1; w /= 2)
     for (int64_t l = 0; l < w; ++l) t[l] += t[l + w];
@@ -144,31 +150,41 @@ void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* _
         const T* __restrict__ dyr = dy + r * n;
         const H* __restrict__ hr = h + r * n;
         const float rs = rstd[r];
-        float acc_c[kLanes] = {0}, acc_n[kLanes] = {0};
+        // q n = (sum(g h) / sum(h h)) h: the row sums in double (each product of two floats is exact there), so
+        // that g - q n, which cancels when g lies near n, is rounded once (see the header).
+        double acc_c[kLanes] = {0}, acc_h[kLanes] = {0};
         for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
           for (int64_t l = 0; l < kLanes; ++l) {
             const int64_t j = j0 + l;
-            const float xv = ld(hr, j) * rs;
-            xh[j] = xv;
-            acc_c[l] += (ld(dyr, j) * weff[j]) * xv;
-            acc_n[l] += xv * xv;
+            const float hv = ld(hr, j);
+            xh[j] = hv * rs;
+            acc_c[l] += static_cast<double>(ld(dyr, j) * weff[j]) * hv;
+            acc_h[l] += static_cast<double>(hv) * hv;
           }
         for (int64_t j = nv; j < n; ++j) {
-          const float xv = ld(hr, j) * rs;
-          xh[j] = xv; acc_c[0] += (ld(dyr, j) * weff[j]) * xv; acc_n[0] += xv * xv;
+          const float hv = ld(hr, j);
+          xh[j] = hv * rs; acc_c[0] += static_cast<double>(ld(dyr, j) * weff[j]) * hv; acc_h[0] += static_cast<double>(hv) * hv;
         }
-        // dh = rs * ((g - q n) + t q n): see the header. A zero row (snn = 0) has q = 0: dh = rs * g.
-        const float snn = fold_tree(acc_n);
-        const float q = snn > 0.f ? fold_tree(acc_c) / snn : 0.f, t = eps * rs * rs, tq = t * q;
+        // dh = rs * ((g - q n) + t q n): see the header. A zero row (shh = 0) has q = 0: dh = rs * g.
+        const double shh = fold_tree(acc_h);
+        const double qh = shh > 0. ? fold_tree(acc_c) / shh : 0.;
+        const float t = eps * rs * rs, tq = static_cast<float>(t * qh);
         H* __restrict__ dhr = dh + r * n;
         const H* __restrict__ drr = dres ? dres + r * n : nullptr;
+        // q as a float pair (q_hi + q_lo = q to 2^-48) and g - q h as two fused multiply-adds: vector floats
+        // throughout, and the perpendicular part as accurate as if q h were exact.
+        const float q_hi = static_cast<float>(qh), q_lo = static_cast<float>(qh - q_hi);
+        auto perp = [&](int64_t j) {
+          const float hv = ld(hr, j);
+          return std::fma(-q_lo, hv, std::fma(-q_hi, hv, ld(dyr, j) * weff[j]));
+        };
         if (n == 1) {  // the row spans the space: g is all along n
           const float v = rs * t * (ld(dyr, 0) * weff[0]);
           st(dhr, 0, drr ? v + ld(drr, 0) : v);
         } else if (drr) {
-          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (((ld(dyr, j) * weff[j]) - q * xh[j]) + tq * xh[j]) + ld(drr, j));
+          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (perp(j) + tq * ld(hr, j)) + ld(drr, j));
         } else {
-          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (((ld(dyr, j) * weff[j]) - q * xh[j]) + tq * xh[j]));
+          for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * (perp(j) + tq * ld(hr, j)));
         }
         // The weight saw the normalised value as the forward used it (rounded, for Llama's order).
         if (dwp) {
