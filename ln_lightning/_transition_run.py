@@ -108,12 +108,22 @@ class TransitionRun:
             return
         a = self._closed_loop_step(trainer, state, t, pl_module) if t.closed else state.advance(pl_module)
         if a is not None and a >= 1.0:
-            if self.distill is not None:
-                self.distilled = self.distill.distilled_once
-                self.distill.stop(keep=False)  # the teacher's memory goes back
-            self.finished = torch.ones((), device=t.blend.device)
-            info(log, f"LNPlacement: transition to {self.placement}-norm finished after {t.host_steps} steps; the model is "
-                 f"now exactly its {self.placement}-norm rewrite.")
+            self._finished(t)
+
+    def settle(self, pl_module: LightningModule) -> None:
+        """At the fit's end: a closed loop that reached blend 1 since its last read ends now, and says so."""
+        state = rewrite_state.of(pl_module)
+        t = None if state is None else state.transition
+        if t is not None and self.finished is None and state.settle(pl_module):
+            self._finished(t)
+
+    def _finished(self, t) -> None:
+        if self.distill is not None:
+            self.distilled = self.distill.distilled_once
+            self.distill.stop(keep=False)  # the teacher's memory goes back
+        self.finished = torch.ones((), device=t.blend.device)
+        info(log, f"LNPlacement: transition to {self.placement}-norm finished after {t.host_steps} steps; the model is "
+             f"now exactly its {self.placement}-norm rewrite.")
 
     def teacher_checkpoint(self, pl_module: LightningModule) -> dict | None:
         """The teacher's tensors for a checkpoint, while the model is in the transition and a teacher runs."""

@@ -183,7 +183,7 @@ class LNPlacement(LayerSync, Callback):
             trained for another function, so such a checkpoint is refused at the start. On, it loads them
             and warns what that means: an added final norm starts from the checkpoint's trained norm it copies,
             other parameters the rewrite added keep their fresh values (and fresh optimizer state). With
-            ``transition_steps`` this is how a plugin-less post-norm run continues as pre-norm: the resumed model
+            a ``transition`` this is how a plugin-less post-norm run continues as pre-norm: the resumed model
             computes exactly the checkpoint's function and the transition starts at the checkpoint's step.
         transition: ``None`` (the rewrite takes effect at once), a :class:`~ln_lightning.TransitionSpec`, or an int
             ``N`` (``TransitionSpec(steps=N)``): a function-preserving transition (``ln_lightning.placement.transition``).
@@ -619,6 +619,8 @@ class LNPlacement(LayerSync, Callback):
             run.transition.end_step(trainer, pl_module, stepped)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._run is not None and self._run.transition is not None:
+            self._run.transition.settle(pl_module)  # a closed loop at blend 1 since its last read ends here
         state = rewrite_state.of(pl_module)
         progress = None if state is None else state.progress()
         known = None if self._run is None or self._run.transition is None else self._run.transition.final_entry(progress)

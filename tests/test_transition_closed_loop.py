@@ -425,3 +425,14 @@ def test_a_held_step_between_reads_every_step_is_not_a_stall():
     for done in range(31, 42):  # held for a tenth of the budget and more: a stall
         need = pace.update(done, 0.29, 100)
     assert need is None and pace.still_since == 30
+
+
+def test_a_closed_loop_that_reached_blend_1_between_reads_ends_at_the_fits_end_and_says_finished(tmp_path):
+    """The blend is read on logging steps and at the budget's end only; a fit that ends between them at blend 1
+    ends the transition there (one read at the fit's end), instead of warning that it ended 'during' it."""
+    model = LM()
+    plugin = _plugin(steps=10, tolerance=100.0, endpoint_fraction=0.0, distill=0.0)  # rate 1/5: blend 1 after 5 steps
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LNLightningWarning)  # no "the fit ended during the transition"
+        trainer(tmp_path, plugin, max_steps=7, log_every_n_steps=50).fit(model, loader())
+    assert transition.get_blend(model) is None  # the machinery is gone: the model is its pre-norm rewrite

@@ -206,6 +206,15 @@ class RewriteState:
         t.set_progress(done, a)
         return a
 
+    def settle(self, root: nn.Module) -> bool:
+        """At the end of a fit: a closed loop whose blend reached 1 between the reads of `advance` ends now (one
+        read of the blend). Whether the transition ended."""
+        t = self.transition
+        if t is None or not t.closed or float(t.blend) < 1.0:
+            return False
+        self.end_transition(root)
+        return True
+
     # ------------------------------------------------------------------ derived representations
     def to_record(self) -> dict:
         """The state as JSON-able data (export writes it into config.json; :func:`from_record` reads it)."""
