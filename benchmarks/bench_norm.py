@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from ln_lightning.norm import FusedLayerNorm, fused_add_layer_norm, fused_add_rms_norm  # noqa: E402
 from ln_lightning.norm import functional as _functional  # noqa: E402
-from ln_lightning.norm import _cpu_kernels, _cpu_rms_kernels  # noqa: E402
+from ln_lightning.norm import _cpu_kernels  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -174,7 +174,7 @@ class Case:
             if self.compiled_rms is not None and self.compile_error_rms is None:
                 fns["compiled add+LlamaRMSNorm"] = self.compiled_rms
             fns["fused add+RMSNorm"] = self._fused_add_rms
-            if self.device.type == "cpu" and _cpu_rms_kernels.KERNELS.module() is not None:
+            if self.device.type == "cpu" and _cpu_kernels.KERNELS.module() is not None:
                 fns["fused add+RMSNorm[aten]"] = self._fused_add_rms
 
             def make(fn):
@@ -189,7 +189,7 @@ class Case:
                 return step
             steps = {name: make(fn) for name, fn in fns.items()}
             if "fused add+RMSNorm[aten]" in steps:
-                steps["fused add+RMSNorm[aten]"] = _without_cpu_kernels(steps["fused add+RMSNorm[aten]"], _cpu_rms_kernels.KERNELS)
+                steps["fused add+RMSNorm[aten]"] = _without_cpu_kernels(steps["fused add+RMSNorm[aten]"])
             return steps
         else:
             fns = {"eager add+LN": self._eager_add_ln}

@@ -19,7 +19,7 @@ from ln_lightning.testing.norm_rms import (
     EPS, RMSCase, assert_each_row_within_torch_error, assert_rows_independent, assert_within_torch_error,
 )
 from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, fused_add_rms_norm, rms_norm, swap_layernorms
-from ln_lightning.norm import _cpu_rms_kernels, _rms_torch_ops, functional_rms
+from ln_lightning.norm import _cpu_kernels, _rms_torch_ops, functional_rms
 
 
 @pytest.fixture(autouse=True)
@@ -32,12 +32,12 @@ def _fused_function_path(monkeypatch):
 @pytest.fixture(params=["compiled", "aten"])
 def cpu_path(request, monkeypatch):
     """Both torch-backend paths, and a counter proving which one ran: compiled forward calls."""
-    if request.param == "compiled" and _cpu_rms_kernels.KERNELS.module() is None:
-        pytest.fail(f"the compiled CPU RMSNorm kernels did not build: {_cpu_rms_kernels.KERNELS.failure}")
+    if request.param == "compiled" and _cpu_kernels.KERNELS.module() is None:
+        pytest.fail(f"the compiled CPU RMSNorm kernels did not build: {_cpu_kernels.KERNELS.failure}")
     calls = []
     real = _rms_torch_ops._compiled_forward
     monkeypatch.setattr(_rms_torch_ops, "_compiled_forward", lambda *a: calls.append(1) or real(*a))
-    with _cpu_rms_kernels.KERNELS.disabled() if request.param == "aten" else contextlib.nullcontext():
+    with _cpu_kernels.KERNELS.disabled() if request.param == "aten" else contextlib.nullcontext():
         yield request.param, calls
 
 
@@ -163,7 +163,7 @@ def test_fused_add_matches_the_float64_formula(dtype, cpu_path):
 
 
 def test_compiled_kernels_are_deterministic_across_thread_counts():
-    assert _cpu_rms_kernels.KERNELS.module() is not None, _cpu_rms_kernels.KERNELS.failure
+    assert _cpu_kernels.KERNELS.module() is not None, _cpu_kernels.KERNELS.failure
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 96, generator=g, dtype=torch.bfloat16)
     r = torch.randn(300, 96, generator=g, dtype=torch.bfloat16)
@@ -181,8 +181,8 @@ def test_compiled_kernels_are_deterministic_across_thread_counts():
 
 
 def test_compiled_kernels_reject_bad_layouts():
-    mod = _cpu_rms_kernels.KERNELS.module()
-    assert mod is not None, _cpu_rms_kernels.KERNELS.failure
+    mod = _cpu_kernels.KERNELS.module()
+    assert mod is not None, _cpu_kernels.KERNELS.failure
     with pytest.raises(RuntimeError, match="contiguous"):
         mod.add_rms_norm_fwd(torch.randn(4, 8).t(), None, None, 1e-5, False, 0.0, False)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ln_lightning.norm import _cpu_rms_kernels, _rms_torch_ops, functional_rms
+from ln_lightning.norm import _cpu_kernels, _rms_torch_ops, functional_rms
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_float16_runs_the_reference_ops(routes, grad):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_dtypes_run_the_custom_op(routes, dtype):
-    if _cpu_rms_kernels.KERNELS.module() is None:
+    if _cpu_kernels.KERNELS.module() is None:
         pytest.skip("compiled CPU RMSNorm kernels not built")
     _call(dtype, True)
     assert routes == ["op"]

@@ -143,7 +143,7 @@ def test_wheel_contents(tmp_path):
         names = z.namelist()
         metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "ln_lightning/py.typed" in names
-    assert "ln_lightning/norm/csrc/add_layer_norm_cpu.cpp" in names
+    assert "ln_lightning/norm/csrc/add_norm_cpu.cpp" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert f"Version: {ln_lightning.__version__}\n" in metadata and "License-Expression: Apache-2.0" in metadata
     requires = {_requirement_name(line.split(":", 1)[1].strip()) for line in metadata.splitlines() if line.startswith("Requires-Dist:") and "extra ==" not in line}

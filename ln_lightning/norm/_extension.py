@@ -1,7 +1,7 @@
 """The compiled CPU kernels' build: one :class:`CompiledKernels` object per C++ extension.
 
-Each extension (``csrc/add_layer_norm_cpu.cpp``: :mod:`._cpu_kernels`; ``csrc/add_rms_norm_cpu.cpp``:
-:mod:`._cpu_rms_kernels`) is built on first use with ``torch.utils.cpp_extension`` (a C++ compiler
+The extension (``csrc/add_norm_cpu.cpp``, LayerNorm and RMSNorm from one source: :mod:`._cpu_kernels`) is built
+on first use with ``torch.utils.cpp_extension`` (a C++ compiler
 and ninja; about 30 s once, cached in ``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``; concurrent processes wait for one build). Flags follow the CPU
 capability PyTorch itself dispatches to (AVX512, AVX2 or the baseline), and the capability is part

@@ -1,6 +1,6 @@
 """The ``torch`` backend for fused add + RMSNorm, behind ``torch.library`` custom ops.
 
-float32 and bfloat16 CPU tensors run the compiled kernels of :mod:`._cpu_rms_kernels` when they
+float32 and bfloat16 CPU tensors run the compiled kernels of :mod:`._cpu_kernels` when they
 can be built (one pass each way); everything else (float16, float64, other devices, a failed
 build) runs a composition of aten ops computing the same formula in float32 (float64 for float64).
 """
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _common, _cpu_rms_kernels, _rms_common
+from . import _common, _cpu_kernels, _rms_common
 
 
 def _weight_dtype(weight: Optional[Tensor]) -> Optional[torch.dtype]:
@@ -35,7 +35,7 @@ def compiled_kernel_takes(x: Tensor, residual: Optional[Tensor], weight: Optiona
     """Whether :func:`add_rms_norm_impl` runs these inputs on the compiled CPU kernel (else on aten ops)."""
     rdt = _common.residual_dtype(x, residual, residual_in_fp32)
     wdt = _weight_dtype(weight)
-    return _cpu_rms_kernels.usable_forward(x, rdt, _rms_common.round_dtype(cast, x.dtype, wdt),
+    return _cpu_kernels.rms_usable_forward(x, rdt, _rms_common.round_dtype(cast, x.dtype, wdt),
                                            _rms_common.output_dtype(cast, x.dtype, wdt))
 
 
@@ -51,7 +51,7 @@ def add_rms_norm_impl(
     rdt = _common.residual_dtype(x, residual, residual_in_fp32)
     rnd = _rms_common.round_dtype(cast, x.dtype, _weight_dtype(weight))
     ydt = _rms_common.output_dtype(cast, x.dtype, _weight_dtype(weight))
-    if _cpu_rms_kernels.usable_forward(x, rdt, rnd, ydt):
+    if _cpu_kernels.rms_usable_forward(x, rdt, rnd, ydt):
         return _compiled_forward(x, residual, weight, eps, rdt, offset, rnd is not None)
     if residual is None:
         h = x.to(rdt)
@@ -80,7 +80,7 @@ def add_rms_norm_backward_impl(
     eps: float,
 ) -> tuple[Tensor, Tensor]:
     need_w = need_weight_grad and weight is not None
-    if _cpu_rms_kernels.usable_backward(dy, h, None):
+    if _cpu_kernels.rms_usable_backward(dy, h, None):
         return _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w, eps)
     cdt = torch.promote_types(_rms_common.compute_dtype(h.dtype), dy.dtype)
     hc = h if h.dtype == cdt else h.to(cdt)
@@ -112,14 +112,14 @@ def _compiled_forward(x, residual, weight, eps, rdt, offset, round_normed):
         # The stream is float32 here (see _cpu_kernels.usable_forward for the same rule).
         residual = residual.float()
     w = None if weight is None else weight.float().contiguous()
-    return tuple(_cpu_rms_kernels.KERNELS.module().add_rms_norm_fwd(
+    return tuple(_cpu_kernels.KERNELS.module().add_rms_norm_fwd(
         x, residual, w, float(eps), rdt == torch.float32, float(offset), round_normed
     ))
 
 
 def _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w, eps):
     w = None if weight is None else weight.float().contiguous()
-    dh, dw = _cpu_rms_kernels.KERNELS.module().add_rms_norm_bwd(
+    dh, dw = _cpu_kernels.KERNELS.module().add_rms_norm_bwd(
         dy, dresidual, h, rstd, w, float(offset), False, need_w, float(eps)
     )
     return dh, (dw.to(weight.dtype) if need_w else h.new_empty(0))
