@@ -340,7 +340,7 @@ def rms_norm_forward_cases(full: bool) -> Iterator[Case]:
 
 
 def rms_norm_backward_cases(full: bool) -> Iterator[Case]:
-    """The backward of each RMSNorm forward call, as ``_rms_common`` calls it."""
+    """The backward of each RMSNorm forward call, as ``_common``'s autograd glue calls it."""
     from ln_lightning.norm import _triton_rms as ops
 
     for i, reps in enumerate(bucket_widths(ops.backward_launch_config).values()):

@@ -42,12 +42,12 @@ def cpu_path(request, monkeypatch):
 
 
 def _compiled_expected(case: RMSCase) -> bool:
-    from ln_lightning.norm import _rms_common
+    from ln_lightning.norm import _common
 
     c = case.base
     wdt = None if c.affine == "none" else c.dtype
-    rnd = _rms_common.round_dtype(case.cast_order, c.dtype, wdt)
-    ydt = _rms_common.output_dtype(case.cast_order, c.dtype, wdt)
+    rnd = _common.round_dtype(case.cast_order, c.dtype, wdt)
+    ydt = _common.rms_output_dtype(case.cast_order, c.dtype, wdt)
     return c.dtype in (torch.float32, torch.bfloat16) and ydt == c.dtype and rnd in (None, c.dtype)
 
 

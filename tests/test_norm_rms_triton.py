@@ -67,8 +67,8 @@ def _spy(monkeypatch):
     calls = []
     real = _triton_rms.triton_add_rms_norm_impl
     monkeypatch.setattr(_triton_rms, "triton_add_rms_norm_eager",
-                        _triton_rms._rms_common.eager_function(lambda *a: calls.append(1) or real(*a),
-                                                               _triton_rms.triton_add_rms_norm_backward_impl))
+                        _triton_rms._common.eager_function(lambda *a: calls.append(1) or real(*a),
+                                                           _triton_rms.triton_add_rms_norm_backward_impl, rms=True))
     return calls
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _common, _cpu_kernels, _rms_common
+from . import _common, _cpu_kernels
 
 
 def _weight_dtype(weight: Optional[Tensor]) -> Optional[torch.dtype]:
@@ -35,8 +35,8 @@ def compiled_kernel_takes(x: Tensor, residual: Optional[Tensor], weight: Optiona
     """Whether :func:`add_rms_norm_impl` runs these inputs on the compiled CPU kernel (else on aten ops)."""
     rdt = _common.residual_dtype(x, residual, residual_in_fp32)
     wdt = _weight_dtype(weight)
-    return _cpu_kernels.rms_usable_forward(x, rdt, _rms_common.round_dtype(cast, x.dtype, wdt),
-                                           _rms_common.output_dtype(cast, x.dtype, wdt))
+    return _cpu_kernels.rms_usable_forward(x, rdt, _common.round_dtype(cast, x.dtype, wdt),
+                                           _common.rms_output_dtype(cast, x.dtype, wdt))
 
 
 def add_rms_norm_impl(
@@ -49,8 +49,8 @@ def add_rms_norm_impl(
     cast: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     rdt = _common.residual_dtype(x, residual, residual_in_fp32)
-    rnd = _rms_common.round_dtype(cast, x.dtype, _weight_dtype(weight))
-    ydt = _rms_common.output_dtype(cast, x.dtype, _weight_dtype(weight))
+    rnd = _common.round_dtype(cast, x.dtype, _weight_dtype(weight))
+    ydt = _common.rms_output_dtype(cast, x.dtype, _weight_dtype(weight))
     if _cpu_kernels.rms_usable_forward(x, rdt, rnd, ydt):
         return _compiled_forward(x, residual, weight, eps, rdt, offset, rnd is not None)
     if residual is None:
@@ -60,7 +60,7 @@ def add_rms_norm_impl(
     else:
         h = x.to(rdt, copy=True)
         h.add_(residual)  # upcasts residual on the fly, no temporary
-    cdt = _rms_common.compute_dtype(rdt)
+    cdt = _common.compute_dtype(rdt, True)
     hc = h if h.dtype == cdt else h.to(cdt)
     # one pass for the mean square, no squared temporary
     rstd = torch.linalg.vector_norm(hc, dim=-1).square_().div_(hc.shape[-1]).add_(eps).rsqrt_()
@@ -82,13 +82,13 @@ def add_rms_norm_backward_impl(
     need_w = need_weight_grad and weight is not None
     if _cpu_kernels.rms_usable_backward(dy, h, None):
         return _compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w, eps)
-    cdt = torch.promote_types(_rms_common.compute_dtype(h.dtype), dy.dtype)
+    cdt = torch.promote_types(_common.compute_dtype(h.dtype, True), dy.dtype)
     hc = h if h.dtype == cdt else h.to(cdt)
     r = rstd.to(cdt).unsqueeze(-1)
     n = hc * r
     dyc = dy if dy.dtype == cdt else dy.to(cdt)
     g = dyc if weight is None else dyc * (weight.to(cdt) + offset)
-    # _rms_common.BACKWARD_FORM, without the textbook form's cancellation (no host sync: where, not if),
+    # _common.RMS_BACKWARD_FORM, without the textbook form's cancellation (no host sync: where, not if),
     # evaluated in float64 with q n = (sum(g h) / sum(h h)) h: g - q n also cancels when g lies near n
     # (issue 32), and rounding it once keeps it within torch's own error row by row.
     wide = torch.float64
@@ -129,7 +129,7 @@ add_rms_norm = torch.library.custom_op(f"{_common.OPS}::add_rms_norm", add_rms_n
 add_rms_norm_backward = torch.library.custom_op(
     f"{_common.OPS}::add_rms_norm_backward", add_rms_norm_backward_impl, mutates_args=()
 )
-add_rms_norm.register_fake(_rms_common.fake_forward)
-add_rms_norm_backward.register_fake(_rms_common.fake_backward)
-_rms_common.register_autograd(add_rms_norm, add_rms_norm_backward)
-add_rms_norm_eager = _rms_common.eager_function(add_rms_norm_impl, add_rms_norm_backward_impl)
+add_rms_norm.register_fake(_common.rms_fake_forward)
+add_rms_norm_backward.register_fake(_common.rms_fake_backward)
+_common.register_autograd(add_rms_norm, add_rms_norm_backward, rms=True)
+add_rms_norm_eager = _common.eager_function(add_rms_norm_impl, add_rms_norm_backward_impl, rms=True)

@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from . import _common, _rms_common
+from . import _common
 from ._triton_ops import KernelLaunch, LaunchConfig, _cast
 
 MAX_SINGLE_BLOCK = 8192  # widest row held in registers; wider rows are processed in blocks
@@ -33,7 +33,7 @@ LOOP_BLOCK = 4096
 BWD_PROGRAMS_PER_SM = 2
 BWD_UNALIGNED_MAX_SINGLE_BLOCK = 4096  # the backward's widest register-held row whose width % 16 != 0
 
-# ROUND codes: 0 none, 1 round n to x's dtype, 2 to the weight's (see _rms_common.CAST_ORDERS).
+# ROUND codes: 0 none, 1 round n to x's dtype, 2 to the weight's (see _common.CAST_ORDERS).
 _ROUND_NONE, _ROUND_X, _ROUND_W = 0, 1, 2
 
 
@@ -136,7 +136,7 @@ def _rms_bwd_kernel(
                 g = dy
             if NEED_DW:
                 dw_acc += dy * n
-            # _rms_common.BACKWARD_FORM: dh = rstd * ((g - q n) + t q n), no cancellation along n; and, as in
+            # _common.RMS_BACKWARD_FORM: dh = rstd * ((g - q n) + t q n), no cancellation along n; and, as in
             # the CPU kernel, q n = (sum(g h) / sum(h h)) h with the sums in float64 and g - q h as two fused
             # multiply-adds by q split into two floats, so that g - q n is rounded about once (issue 32)
             hd = h.to(tl.float64)
@@ -234,7 +234,7 @@ def _num_programs(rows: int, device: torch.device) -> int:
 
 
 def _round_code(x: Tensor, weight: Optional[Tensor], cast: str) -> int:
-    rnd = _rms_common.round_dtype(cast, x.dtype, None if weight is None else weight.dtype)
+    rnd = _common.round_dtype(cast, x.dtype, None if weight is None else weight.dtype)
     if rnd is None:
         return _ROUND_NONE
     return _ROUND_X if rnd == x.dtype else _ROUND_W
@@ -261,7 +261,7 @@ def plan_forward(
     rows, n = x.shape
     stored = _common.stores_residual(x, residual, residual_in_fp32)
     rdt = _common.residual_dtype(x, residual, residual_in_fp32)
-    ydt = _rms_common.output_dtype(cast, x.dtype, None if weight is None else weight.dtype)
+    ydt = _common.rms_output_dtype(cast, x.dtype, None if weight is None else weight.dtype)
     y = torch.empty((rows, n), dtype=ydt, device=x.device)
     h = torch.empty((rows, n), dtype=rdt, device=x.device) if stored else x.new_empty(0)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -358,5 +358,5 @@ triton_add_rms_norm = triton_op(f"{_common.OPS}::triton_add_rms_norm", triton_ad
 triton_add_rms_norm_backward = triton_op(
     f"{_common.OPS}::triton_add_rms_norm_backward", triton_add_rms_norm_backward_impl, mutates_args=()
 )
-_rms_common.register_autograd(triton_add_rms_norm, triton_add_rms_norm_backward)
-triton_add_rms_norm_eager = _rms_common.eager_function(triton_add_rms_norm_impl, triton_add_rms_norm_backward_impl)
+_common.register_autograd(triton_add_rms_norm, triton_add_rms_norm_backward, rms=True)
+triton_add_rms_norm_eager = _common.eager_function(triton_add_rms_norm_impl, triton_add_rms_norm_backward_impl, rms=True)

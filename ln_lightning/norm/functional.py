@@ -57,8 +57,14 @@ def _ops(backend: str):
 
 
 def _normalized_shape(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], normalized_shape: Optional[Sequence[int]]
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], normalized_shape: Optional[Sequence[int]],
+    kind: str = "LayerNorm",
 ) -> tuple[int, ...]:
+    """The normalised shape (LayerNorm and RMSNorm alike): ``normalized_shape``, else the weight's (or bias's),
+    else ``x``'s last dim; checked against ``x`` and the parameters."""
+    if (normalized_shape is None and weight is not None and weight.dim() == 1 and x.dim()
+            and x.shape[-1] == weight.shape[0] and (bias is None or bias.shape == weight.shape)):
+        return tuple(weight.shape)  # the usual call, checked without building tuples (tiny calls are Python-bound)
     if normalized_shape is None:
         if weight is not None:
             normalized_shape = tuple(weight.shape)
@@ -72,7 +78,7 @@ def _normalized_shape(
     k = len(shape)
     if k == 0 or x.dim() < k or tuple(x.shape[-k:]) != shape:
         raise ValueError(
-            f"LayerNorm over normalized_shape {shape} needs an input whose last {k} dims are {shape}, "
+            f"{kind} over normalized_shape {shape} needs an input whose last {k} dims are {shape}, "
             f"got input of shape {tuple(x.shape)}"
         )
     for name, p in (("weight", weight), ("bias", bias)):
@@ -87,9 +93,10 @@ def _autocast_to_fp32(x: Tensor) -> bool:
     return x.is_cuda and torch.is_autocast_enabled("cuda") and x.dtype != torch.float64
 
 
-def _check_input(x: Tensor, residual: Optional[Tensor]) -> None:
+def _check_input(x: Tensor, residual: Optional[Tensor], kind: str = "LayerNorm") -> None:
+    """The input checks of both norms' fused functions."""
     if not x.is_floating_point():
-        raise TypeError(f"fused LayerNorm needs a floating-point input, got {x.dtype}")
+        raise TypeError(f"fused {kind} needs a floating-point input, got {x.dtype}")
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(

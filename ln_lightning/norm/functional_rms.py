@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _backend, _rms_common, _rms_torch_ops
+from . import _backend, _common, _rms_torch_ops
+from .functional import _check_input, _normalized_shape
 
 _triton_rms = None
 
@@ -46,40 +47,6 @@ def _ops(backend: str):
 
         _triton_rms = module
     return _triton_rms.triton_add_rms_norm if compiling else _triton_rms.triton_add_rms_norm_eager
-
-
-def _check_input(x: Tensor, residual: Optional[Tensor]) -> None:
-    if not x.is_floating_point():
-        raise TypeError(f"fused RMSNorm needs a floating-point input, got {x.dtype}")
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(
-                f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)} "
-                "(the fused add does not broadcast; expand the residual explicitly)"
-            )
-        if not residual.is_floating_point():
-            raise TypeError(f"residual must be floating-point, got {residual.dtype}")
-        if residual.device != x.device:
-            raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
-
-
-def _normalized_shape(x: Tensor, weight: Optional[Tensor], normalized_shape) -> tuple[int, ...]:
-    if normalized_shape is None and weight is not None and weight.dim() == 1 and x.dim() and x.shape[-1] == weight.shape[0]:
-        return tuple(weight.shape)  # the usual call, checked without building tuples (tiny calls are Python-bound)
-    if normalized_shape is None:
-        normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],)
-    elif isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
-    shape = tuple(int(s) for s in normalized_shape)
-    k = len(shape)
-    if k == 0 or x.dim() < k or tuple(x.shape[-k:]) != shape:
-        raise ValueError(
-            f"RMSNorm over normalized_shape {shape} needs an input whose last {k} dims are {shape}, "
-            f"got input of shape {tuple(x.shape)}"
-        )
-    if weight is not None and tuple(weight.shape) != shape:
-        raise ValueError(f"weight has shape {tuple(weight.shape)} but normalized_shape is {shape}")
-    return shape
 
 
 def fused_add_rms_norm(
@@ -127,16 +94,16 @@ def fused_add_rms_norm(
         >>> torch.allclose(y, torch.nn.functional.rms_norm(x + stream, (16,), w, 1e-6), atol=1e-5)
         True
     """
-    _check_input(x, residual)
-    _rms_common.check_cast(cast_order)
-    shape = _normalized_shape(x, weight, normalized_shape)
+    _check_input(x, residual, "RMSNorm")
+    _common.check_cast(cast_order)
+    shape = _normalized_shape(x, weight, None, normalized_shape, "RMSNorm")
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     explicit = None if backend is None else _backend.canonical_backend(backend)
     name = _backend.resolve_backend(x, explicit)
     if name == "triton" and residual is not None and residual.dtype not in _backend.TRITON_DTYPES:
         name = _backend.resolve_backend(residual, explicit)
-    stored = residual is not None or _rms_common.stores_residual(x, residual, residual_in_fp32)
+    stored = residual is not None or _common.stores_residual(x, residual, residual_in_fp32)
     if name == "torch" and not torch.compiler.is_compiling() and _eager_composite(x, residual, weight, residual_in_fp32, cast_order):
         y, h = _composite(x, residual, weight, eps, residual_in_fp32, weight_offset, cast_order, len(shape))
         return y, (h if stored else x)
@@ -151,22 +118,22 @@ def fused_add_rms_norm(
 def _composite(x, residual, weight, eps, residual_in_fp32, offset, cast, ndim):
     """What the torch backend's op computes, as ordinary autograd-tracked ops over the last
     ``ndim`` dims: op for op the reference modules' own code where it applies (as cheap as they are)."""
-    rdt = _rms_common.residual_dtype(x, residual, residual_in_fp32)
+    rdt = _common.residual_dtype(x, residual, residual_in_fp32)
     if residual is None:
         h = x if x.dtype == rdt else x.to(rdt)
     elif x.dtype == rdt and residual.dtype == rdt:
         h = x + residual
     else:
         h = x.to(rdt) + residual.to(rdt)
-    cdt = _rms_common.compute_dtype(rdt)
+    cdt = _common.compute_dtype(rdt, True)
     hc = h if h.dtype == cdt else h.to(cdt)
     dims = -1 if ndim == 1 else tuple(range(-ndim, 0))
     n = hc * torch.rsqrt(hc.pow(2).mean(dims, keepdim=True) + eps)
     wdt = None if weight is None else weight.dtype
-    ydt = _rms_common.output_dtype(cast, x.dtype, wdt)
+    ydt = _common.rms_output_dtype(cast, x.dtype, wdt)
     if weight is None:
         return (n if n.dtype == ydt else n.to(ydt)), h
-    rnd = _rms_common.round_dtype(cast, x.dtype, wdt)
+    rnd = _common.round_dtype(cast, x.dtype, wdt)
     if not offset and cast != "fp32":  # HF Llama / T5: w * n.to(dtype), PyTorch's own half multiply
         y = weight * (n if rnd is None else n.to(rnd))
     else:  # nn.RMSNorm / Gemma / OLMo 2: (n * (offset + w.float())).to(dtype)

@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ._rms_common import CAST_ORDERS, output_dtype, round_dtype
+from ._common import CAST_ORDERS, round_dtype
+from ._common import rms_output_dtype as output_dtype
 
 __all__ = [
     "CAST_ORDERS",

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _backend, _rms_common, functional_rms
+from . import _backend, _common, functional_rms
 from .functional_rms import fused_add_rms_norm
 
 
@@ -112,7 +112,7 @@ class FusedAddRMSNorm(nn.RMSNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self.residual_in_fp32 = bool(residual_in_fp32)
         self.weight_offset = float(weight_offset)
-        self.cast_order = _rms_common.check_cast(cast_order)
+        self.cast_order = _common.check_cast(cast_order)
         self.backend = _backend.canonical_backend(backend)
 
     def forward(self, input: Tensor, residual: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
