@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ln_lightning.norm import _common, _rms_torch_ops, _torch_ops  # noqa: F401  (registers the ops)
+from ln_lightning.norm import _common, _torch_ops  # noqa: F401  (registers the ops)
 
 SCHEMAS = {
     "ln_lightning_v2": [

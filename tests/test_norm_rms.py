@@ -19,7 +19,7 @@ from ln_lightning.testing.norm_rms import (
     EPS, RMSCase, assert_each_row_within_torch_error, assert_rows_independent, assert_within_torch_error,
 )
 from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, fused_add_rms_norm, rms_norm, swap_layernorms
-from ln_lightning.norm import _cpu_kernels, _rms_torch_ops, functional_rms
+from ln_lightning.norm import _cpu_kernels, _torch_ops, functional_rms
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +35,8 @@ def cpu_path(request, monkeypatch):
     if request.param == "compiled" and _cpu_kernels.KERNELS.module() is None:
         pytest.fail(f"the compiled CPU RMSNorm kernels did not build: {_cpu_kernels.KERNELS.failure}")
     calls = []
-    real = _rms_torch_ops._compiled_forward
-    monkeypatch.setattr(_rms_torch_ops, "_compiled_forward", lambda *a: calls.append(1) or real(*a))
+    real = _torch_ops._rms_compiled_forward
+    monkeypatch.setattr(_torch_ops, "_rms_compiled_forward", lambda *a: calls.append(1) or real(*a))
     with _cpu_kernels.KERNELS.disabled() if request.param == "aten" else contextlib.nullcontext():
         yield request.param, calls
 
@@ -99,7 +99,7 @@ def test_width_one_backward_does_not_cancel(dtype, cpu_path):
 
     def grad(h, w, dy):
         x = h.clone().requires_grad_()
-        y, _, _ = _rms_torch_ops.add_rms_norm_eager(x, None, w, EPS, False, 0.0, "fp32")
+        y, _, _ = _torch_ops.add_rms_norm_eager(x, None, w, EPS, False, 0.0, "fp32")
         return torch.autograd.grad(y, x, dy)[0]
 
     assert_narrow_rows_accurate("rms", grad, dtype, rel_tol=1e-5 if dtype == torch.float32 else 1e-2, eps=EPS)
@@ -117,7 +117,7 @@ def test_each_row_within_torch_error_when_the_gradient_lies_near_the_row(width, 
 
     def grad(h, w, offset, dy):
         x = h.clone().requires_grad_()
-        y, _, _ = _rms_torch_ops.add_rms_norm_eager(x, None, w, EPS, False, offset, "fp32")
+        y, _, _ = _torch_ops.add_rms_norm_eager(x, None, w, EPS, False, offset, "fp32")
         return torch.autograd.grad(y, x, dy)[0]
 
     assert_each_row_within_torch_error(grad, width, offset)
@@ -216,7 +216,7 @@ def test_custom_ops_pass_opcheck():
     for args in ((x, r, w, 1e-5, False, 0.0, "fp32"), (x.bfloat16(), None, w.bfloat16(), 1e-5, True, 1.0, "llama"),
                  (x.half(), r.half(), w, 1e-5, False, 0.0, "t5")):
         args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
-        torch.library.opcheck(_rms_torch_ops.add_rms_norm, args)
+        torch.library.opcheck(_torch_ops.add_rms_norm, args)
 
 
 class _PreNormRMSBlock(nn.Module):

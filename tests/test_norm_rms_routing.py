@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ln_lightning.norm import _cpu_kernels, _rms_torch_ops, functional_rms
+from ln_lightning.norm import _cpu_kernels, _torch_ops, functional_rms
 
 
 @pytest.fixture
 def routes(monkeypatch):
     seen = []
-    real_composite, real_impl = functional_rms._composite, _rms_torch_ops.add_rms_norm_impl
+    real_composite, real_impl = functional_rms._composite, _torch_ops.add_rms_norm_impl
     monkeypatch.setattr(functional_rms, "_composite", lambda *a: seen.append("composite") or real_composite(*a))
-    eager = _rms_torch_ops.add_rms_norm_eager
-    monkeypatch.setattr(_rms_torch_ops, "add_rms_norm_eager", lambda *a: seen.append("op") or eager(*a))
+    eager = _torch_ops.add_rms_norm_eager
+    monkeypatch.setattr(_torch_ops, "add_rms_norm_eager", lambda *a: seen.append("op") or eager(*a))
     return seen
 
 
@@ -56,7 +56,7 @@ def test_tiny_inputs_run_the_reference_ops(routes):
 
 
 def test_without_the_kernel_float32_training_keeps_the_op_and_inference_the_reference_ops(routes, monkeypatch):
-    monkeypatch.setattr(_rms_torch_ops, "compiled_kernel_takes", lambda *a: False)
+    monkeypatch.setattr(_torch_ops, "rms_compiled_kernel_takes", lambda *a: False)
     _call(torch.float32, True)
     assert routes == ["op"]
     routes.clear()

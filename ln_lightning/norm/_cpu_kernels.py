@@ -11,7 +11,7 @@ vector code: it stays on aten.
 
 RMSNorm, float32 too (:data:`RMS_DTYPES`): aten has no fused add + RMSNorm, and eager RMSNorm (HF's LlamaRMSNorm,
 or ``F.rms_norm``) runs as several elementwise passes each way; one pass per direction is 2-4x faster on CPU
-(``benchmarks/bench_norm.py``). Without the build the torch backend composes aten ops (:mod:`._rms_torch_ops`),
+(``benchmarks/bench_norm.py``). Without the build the torch backend composes aten ops (:mod:`._torch_ops`),
 as exact but slower.
 """
 

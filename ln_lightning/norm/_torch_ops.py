@@ -1,13 +1,16 @@
-"""The ``torch`` backend: aten's LayerNorm kernels behind ``torch.library`` custom ops.
+"""The ``torch`` backend of both norms, behind ``torch.library`` custom ops (schemas: :mod:`._common`).
 
-bfloat16 CPU tensors run the compiled kernels of :mod:`._cpu_kernels` instead when they
-can be built (one fused pass each way, float32 statistics); everything else runs aten's kernels.
+LayerNorm: aten's kernels. bfloat16 CPU tensors run the compiled kernels of :mod:`._cpu_kernels` instead when
+they can be built (one fused pass each way, float32 statistics); everything else runs aten's kernels. The
+residual add and the residual-gradient accumulation are done around aten's
+``native_layer_norm``/``native_layer_norm_backward`` with as few temporaries as possible: the forward writes
+``x + residual`` once and normalises it, keeping mean/rstd (float32) for the backward; the backward adds the
+downstream residual gradient into the freshly computed input gradient in place, where autograd would allocate a
+third tensor for the sum.
 
-The residual add and the residual-gradient accumulation are done around aten's
-``native_layer_norm``/``native_layer_norm_backward`` with as few temporaries as possible: the
-forward writes ``x + residual`` once and normalises it, keeping mean/rstd (float32) for the
-backward; the backward adds the downstream residual gradient into the freshly computed input
-gradient in place, where autograd would allocate a third tensor for the sum.
+RMSNorm: float32 and bfloat16 CPU tensors run the same compiled kernels (their RMS instantiation) when they can
+be built; everything else (float16, float64, other devices, a failed build) runs a composition of aten ops
+computing the same formula in float32 (float64 for float64).
 """
 
 from __future__ import annotations
@@ -134,3 +137,125 @@ add_layer_norm_backward.register_fake(_common.fake_backward)
 _common.register_autograd(add_layer_norm, add_layer_norm_backward)
 # Eager calls skip the dispatcher round trips (about 0.4 ms per forward+backward).
 add_layer_norm_eager = _common.eager_function(add_layer_norm_impl, add_layer_norm_backward_impl)
+
+
+# ------------------------------------------------------------------------------------------ RMSNorm
+
+def _weight_dtype(weight: Optional[Tensor]) -> Optional[torch.dtype]:
+    return None if weight is None else weight.dtype
+
+
+def apply_weight(n: Tensor, weight: Optional[Tensor], offset: float, rnd: Optional[torch.dtype],
+                 ydt: torch.dtype) -> Tensor:
+    """``y`` from the normalised ``n`` (compute dtype) in the cast order ``rnd`` describes."""
+    if rnd is not None:
+        n = n.to(rnd).to(n.dtype)
+    if weight is not None:
+        w = weight.to(n.dtype)
+        n.mul_(w + offset if offset else w)  # n is always a fresh temporary here
+    return n if n.dtype == ydt else n.to(ydt)
+
+
+def rms_compiled_kernel_takes(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], residual_in_fp32: bool,
+                          cast: str) -> bool:
+    """Whether :func:`add_rms_norm_impl` runs these inputs on the compiled CPU kernel (else on aten ops)."""
+    rdt = _common.residual_dtype(x, residual, residual_in_fp32)
+    wdt = _weight_dtype(weight)
+    return _cpu_kernels.rms_usable_forward(x, rdt, _common.round_dtype(cast, x.dtype, wdt),
+                                           _common.rms_output_dtype(cast, x.dtype, wdt))
+
+
+def add_rms_norm_impl(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    eps: float,
+    residual_in_fp32: bool,
+    offset: float,
+    cast: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    rdt = _common.residual_dtype(x, residual, residual_in_fp32)
+    rnd = _common.round_dtype(cast, x.dtype, _weight_dtype(weight))
+    ydt = _common.rms_output_dtype(cast, x.dtype, _weight_dtype(weight))
+    if _cpu_kernels.rms_usable_forward(x, rdt, rnd, ydt):
+        return _rms_compiled_forward(x, residual, weight, eps, rdt, offset, rnd is not None)
+    if residual is None:
+        h = x.to(rdt)
+    elif x.dtype == rdt and residual.dtype == rdt:
+        h = torch.add(x, residual)
+    else:
+        h = x.to(rdt, copy=True)
+        h.add_(residual)  # upcasts residual on the fly, no temporary
+    cdt = _common.compute_dtype(rdt, True)
+    hc = h if h.dtype == cdt else h.to(cdt)
+    # one pass for the mean square, no squared temporary
+    rstd = torch.linalg.vector_norm(hc, dim=-1).square_().div_(hc.shape[-1]).add_(eps).rsqrt_()
+    y = apply_weight(hc * rstd.unsqueeze(-1), weight, offset, rnd, ydt)
+    stored = _common.stores_residual(x, residual, residual_in_fp32)
+    return y, (h if stored else x.new_empty(0)), rstd
+
+
+def add_rms_norm_backward_impl(
+    dy: Tensor,
+    dresidual: Optional[Tensor],
+    h: Tensor,
+    rstd: Tensor,
+    weight: Optional[Tensor],
+    offset: float,
+    need_weight_grad: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    need_w = need_weight_grad and weight is not None
+    if _cpu_kernels.rms_usable_backward(dy, h, None):
+        return _rms_compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w, eps)
+    cdt = torch.promote_types(_common.compute_dtype(h.dtype, True), dy.dtype)
+    hc = h if h.dtype == cdt else h.to(cdt)
+    r = rstd.to(cdt).unsqueeze(-1)
+    n = hc * r
+    dyc = dy if dy.dtype == cdt else dy.to(cdt)
+    g = dyc if weight is None else dyc * (weight.to(cdt) + offset)
+    # _common.RMS_BACKWARD_FORM, without the textbook form's cancellation (no host sync: where, not if),
+    # evaluated in float64 with q n = (sum(g h) / sum(h h)) h: g - q n also cancels when g lies near n
+    # (issue 32), and rounding it once keeps it within torch's own error row by row.
+    wide = torch.float64
+    gw, hw, rw = g.to(wide), hc.to(wide), rstd.to(wide).unsqueeze(-1)
+    t = rw.square().mul_(eps)
+    if h.shape[-1] == 1:  # no part of g perpendicular to n
+        dh = gw * t.mul_(rw)
+    else:
+        shh = hw.square().sum(-1, keepdim=True)
+        q = (gw * hw).sum(-1, keepdim=True).div_(torch.where(shh > 0, shh, 1))
+        dh = torch.addcmul(gw, q, hw, value=-1).addcmul_(t.mul_(q), hw).mul_(rw)
+    dh = dh.to(h.dtype)
+    if dresidual is not None:
+        dh.add_(dresidual)  # fused residual-gradient accumulation: no extra tensor
+    dw = (dyc * n).sum(0).to(weight.dtype) if need_w else h.new_empty(0)
+    return dh, dw
+
+
+def _rms_compiled_forward(x, residual, weight, eps, rdt, offset, round_normed):
+    if residual is not None and residual.dtype not in (x.dtype, torch.float32):
+        # The stream is float32 here (see _cpu_kernels.usable_forward for the same rule).
+        residual = residual.float()
+    w = None if weight is None else weight.float().contiguous()
+    return tuple(_cpu_kernels.KERNELS.module().add_rms_norm_fwd(
+        x, residual, w, float(eps), rdt == torch.float32, float(offset), round_normed
+    ))
+
+
+def _rms_compiled_backward(dy, dresidual, h, rstd, weight, offset, need_w, eps):
+    w = None if weight is None else weight.float().contiguous()
+    dh, dw = _cpu_kernels.KERNELS.module().add_rms_norm_bwd(
+        dy, dresidual, h, rstd, w, float(offset), False, need_w, float(eps)
+    )
+    return dh, (dw.to(weight.dtype) if need_w else h.new_empty(0))
+
+
+add_rms_norm = torch.library.custom_op(f"{_common.OPS}::add_rms_norm", add_rms_norm_impl, mutates_args=())
+add_rms_norm_backward = torch.library.custom_op(
+    f"{_common.OPS}::add_rms_norm_backward", add_rms_norm_backward_impl, mutates_args=()
+)
+add_rms_norm.register_fake(_common.rms_fake_forward)
+add_rms_norm_backward.register_fake(_common.rms_fake_backward)
+_common.register_autograd(add_rms_norm, add_rms_norm_backward, rms=True)
+add_rms_norm_eager = _common.eager_function(add_rms_norm_impl, add_rms_norm_backward_impl, rms=True)

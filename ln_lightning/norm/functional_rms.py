@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _backend, _common, _rms_torch_ops
+from . import _backend, _common, _torch_ops
 from .functional import _check_input, _normalized_shape
 
 _triton_rms = None
@@ -28,7 +28,7 @@ def _eager_composite(x: Tensor, residual: Optional[Tensor], weight: Optional[Ten
     CPU cores (benchmarks/bench_norm.py "[aten]"): so the composition, except for that last case."""
     if x.numel() < EAGER_COMPOSITE_BELOW:
         return True
-    if _rms_torch_ops.compiled_kernel_takes(x, residual, weight, residual_in_fp32, cast):
+    if _torch_ops.rms_compiled_kernel_takes(x, residual, weight, residual_in_fp32, cast):
         return False
     grad = torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
                                         or (weight is not None and weight.requires_grad))
@@ -41,7 +41,7 @@ def _ops(backend: str):
     global _triton_rms
     compiling = torch.compiler.is_compiling()
     if backend == "torch":
-        return _rms_torch_ops.add_rms_norm if compiling else _rms_torch_ops.add_rms_norm_eager
+        return _torch_ops.add_rms_norm if compiling else _torch_ops.add_rms_norm_eager
     if _triton_rms is None:
         from . import _triton_rms as module
 
