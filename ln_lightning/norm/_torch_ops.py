@@ -188,8 +188,9 @@ def add_rms_norm_impl(
         h.add_(residual)  # upcasts residual on the fly, no temporary
     cdt = _common.compute_dtype(rdt, True)
     hc = h if h.dtype == cdt else h.to(cdt)
-    # one pass for the mean square, no squared temporary
-    rstd = torch.linalg.vector_norm(hc, dim=-1).square_().div_(hc.shape[-1]).add_(eps).rsqrt_()
+    # the mean square as the reference modules take it (a squared temporary): vector_norm(h)**2, one pass
+    # without it, drifted past 2x their error on wide constant rows (1.8x at width 4096, 2.9x at 8200)
+    rstd = hc.square().mean(-1).add_(eps).rsqrt_()
     y = apply_weight(hc * rstd.unsqueeze(-1), weight, offset, rnd, ydt)
     stored = _common.stores_residual(x, residual, residual_in_fp32)
     return y, (h if stored else x.new_empty(0)), rstd

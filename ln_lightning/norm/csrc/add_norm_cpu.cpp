@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -64,8 +65,9 @@ inline void st(c10::BFloat16* p, int64_t j, float v) {
 // The value a float rounds to when stored as T (the new residual is normalised as stored).
 template <typename T> inline float round_as(float v) { T t; st(&t, 0, v); return ld(&t, 0); }
 
-inline float fold(const float* acc) {
-  float s = 0.f;
+template <typename A>
+inline A fold(const A* acc) {
+  A s = 0;
   for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
   return s;
 }
@@ -103,15 +105,17 @@ void forward_rows(const T* __restrict__ x, const R* __restrict__ res, H* __restr
     float* __restrict__ v = buf.data();
     float* __restrict__ weff = v + n;  // RMSNorm: offset + w, once per chunk of rows
     if (RMS) for (int64_t j = 0; j < n; ++j) weff[j] = p.offset + (p.w ? p.w[j] : 1.f - p.offset);
-    // LayerNorm sums v = h - h[0]; RMSNorm sums v^2, v = h.
-    auto add = [](float& a, float vj) { a += RMS ? vj * vj : vj; };
+    // LayerNorm sums v = h - h[0]; RMSNorm sums v^2, v = h, in double: a float sum of thousands of squares
+    // (a constant row 8200 wide) drifted by ~1e-5 relative, past 2x torch's (cascaded) error in y and dh.
+    using Acc = std::conditional_t<RMS, double, float>;
+    auto add = [](Acc& a, float vj) { if constexpr (RMS) a += static_cast<double>(vj) * vj; else a += vj; };
     for (int64_t r = begin; r < end; ++r) {
       const T* __restrict__ xr = x + r * n;
       const R* __restrict__ rr = res ? res + r * n : nullptr;
       H* __restrict__ hr = h ? h + r * n : nullptr;
       // LayerNorm's statistics are of (h - h[0]): a constant row gives exact zeros, a large offset costs nothing.
       const float shift = RMS ? 0.f : round_as<H>(ld(xr, 0) + (rr ? ld(rr, 0) : 0.f));
-      float acc[kLanes] = {0};
+      Acc acc[kLanes] = {0};
       if (rr) {
         for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
           for (int64_t l = 0; l < kLanes; ++l) {
@@ -141,7 +145,7 @@ void forward_rows(const T* __restrict__ x, const R* __restrict__ res, H* __restr
       }
       T* __restrict__ yr = y + r * n;
       if constexpr (RMS) {
-        const float rs = 1.f / std::sqrt(fold(acc) / n + eps);
+        const float rs = static_cast<float>(1. / std::sqrt(fold(acc) / n + eps));
         rstd_out[r] = rs;
         if (p.round_normed) { for (int64_t j = 0; j < n; ++j) st(yr, j, round_as<T>(v[j] * rs) * weff[j]); }
         else { for (int64_t j = 0; j < n; ++j) st(yr, j, v[j] * rs * weff[j]); }
