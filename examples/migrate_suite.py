@@ -117,7 +117,18 @@ METHODS_TRIED = [
              "any run, from the goal's own form (max(0.03, 2 x the unchanged run's worst excess)), not tuned. The same rule as "
              "orders 4-6, fixed before the runs: among closed_S0.6_t0.05 and closed_S0.6_t0.03_k2, most tuning runs meeting "
              "the goal (blend 1 reached included), then the smaller worst excess over those runs; a tie keeps "
-             "closed_S0.6_t0.05. Only if it wins does it run on the HELD-OUT half, untouched."},
+             "closed_S0.6_t0.05. Only if it wins does it run on the HELD-OUT half, untouched. "
+             "Outcome (after the runs): 6 of 6, as closed_S0.6_t0.05; worst excess over the tuning runs +0.1057 against "
+             "+0.1060 (encoder_cls B600 both), so closed_S0.6_t0.03_k2 wins by the rule, by 0.0003, which is within any "
+             "seed's noise: a formal win, not a measured improvement. Per run: charlm and bert_mlm the same worst excess "
+             "as closed_S0.6_t0.05 and the same transition end (blend 1 at step 92 / 181), final within 0.004; encoder_cls "
+             "B300 worst +0.072 against +0.056 (band 0.120), blend 1 at step 95 against 142; B600 final +0.022 against "
+             "+0.045 over unchanged. The measured training drift (KL(trained || model at blend 0)) rose to 0.04-0.05 on "
+             "charlm too, whose unchanged held-out loss does not rise: a KL from the trained function is not the goal's "
+             "loss excess, and the tolerance loosened (to 0.08-0.10) on a settled model as well"},
+    {"order": 8, "arms": [TRAINING_DRIFT_ARM], "on": "the HELD-OUT half, untouched",
+     "note": "picked on the TUNING half by order 7's rule, then run once on the held-out models with nothing changed "
+             "(xt_decoder first)"},
 ]
 
 
@@ -214,8 +225,9 @@ HISTORY = [
 # Arms tuned on the TUNING half: on the HELD-OUT half only the one picked there runs (set once it is picked).
 TUNED_PREFIX = ("closed_", "calib")
 INCUMBENT = "closed_S0.6_t0.05"  # what the rule keeps on a tie (the calibrated arms must beat it, not equal it)
-PICKED: str | None = "closed_S0.6_t0.05"  # the rule's pick on the TUNING half (settled before encoder_cls B600 ended: t0.02 had
-# already failed three tuning runs, t0.05 none)
+# The rule's pick on the TUNING half: closed_S0.6_t0.05 from order 2 (settled before encoder_cls B600 ended: t0.02 had
+# already failed three tuning runs, t0.05 none) to order 7, which picked closed_S0.6_t0.03_k2 (by 0.0003 of worst excess).
+PICKED: str | None = TRAINING_DRIFT_ARM
 
 
 def pick_on_tuning(runs: list[dict]) -> str | None:
@@ -752,6 +764,9 @@ def merge_into(path: Path, out: Path, arms: list[str]) -> int:
         level = res["pretrain"][key]["eval_end"]
         u = next(x for x in res["runs"] if (x["model"], x["arm"], x["budget"], x["seed"]) == (r["model"], "unchanged", r["budget"], r["seed"]))
         a = analyse_arm(r, level)
+        if a.get("training_drift_forwards") is None and r["arm"] == TRAINING_DRIFT_ARM:
+            # (recorded from 571f434 on; before, the count's remainder: no calibration in this arm)
+            a["training_drift_forwards"] = int(round(r["units"] - (UNITS_FWD + UNITS_BWD) * r["steps"] - UNITS_FWD * r["teacher_steps"]))
         if abs(a["at_switch"] - u["at_switch"]) > 1e-4:
             raise SystemExit(f"{f.name}: held-out loss at the switch {a['at_switch']:.5f}, the file's unchanged run {u['at_switch']:.5f}: "
                              "another pretrained checkpoint; not merged")
