@@ -398,8 +398,9 @@ def migrate_suite() -> str:
         "", f"Each cell: worst held-out excess over the pre-switch loss / final held-out loss − continuing unchanged's, "
         f"one seed. Goal: excess at most {g['excess']:.2f} and final within {g['final']:.2f} (or twice the unchanged run's own "
         "wander, if larger), within the unchanged run's compute, blend 1 reached. `default` is the deprecated open loop "
-        "(`transition_steps` = a third of the budget); the closed loops have a budget of 0.6 of it. The tolerance was picked "
-        f"on the tuning half (`{d['rule_picks']}`) and run untouched on the held-out half. " + _caption("migrate_suite")])
+        "(`transition_steps` = a third of the budget); the closed loops have a budget of 0.6 of it. The default tolerance "
+        "(`closed_S0.6_t0.05`) was picked on the tuning half and run untouched on the held-out half; the methods tried "
+        f"after it (the last pick: `{d['rule_picks']}`) and how each did are on the results page. " + _caption("migrate_suite")])
 
 
 def migrate_suite_needs() -> str:
@@ -412,6 +413,9 @@ def migrate_suite_needs() -> str:
     order = list(d["models"])
     for r in sorted(rows, key=lambda r: (order.index(r["model"]), r["arm"], r["budget"])):
         tol = r["arm"].rpartition("_t")[2]
+        if "_k" in tol:  # the tolerance that follows the training drift: max(base, k x training drift)
+            base, _, k = tol.partition("_k")
+            tol = f"max({base}, {k} x training drift)"
         steps = round(float(r["arm"].split("_S")[1].split("_")[0]) * r["budget"])
         end = (str(r["transition_end"]) if r["transition_end"] is not None
                else f"not reached: blend {r['blend_reached']:.2f} at the budget's end")
