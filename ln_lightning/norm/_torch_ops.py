@@ -39,6 +39,17 @@ def _params(weight: Optional[Tensor], bias: Optional[Tensor], dtype: torch.dtype
     return conv(weight), conv(bias), (torch.float32 if mixed else dtype)
 
 
+def _stream(x: Tensor, residual: Optional[Tensor], rdt: torch.dtype) -> Tensor:
+    """h = x + residual in the residual dtype (both norms' forward)."""
+    if residual is None:
+        return x.to(rdt)
+    if x.dtype == rdt and residual.dtype == rdt:
+        return torch.add(x, residual)
+    h = x.to(rdt, copy=True)
+    h.add_(residual)  # upcasts residual on the fly, no temporary
+    return h
+
+
 def add_layer_norm_impl(
     x: Tensor,
     residual: Optional[Tensor],
@@ -51,13 +62,7 @@ def add_layer_norm_impl(
     rdt = _common.residual_dtype(x, residual, residual_in_fp32)
     if _cpu_kernels.usable_forward(x, rdt, y_fp32):
         return _compiled_forward(x, residual, weight, bias, eps, rdt)
-    if residual is None:
-        h = x.to(rdt)
-    elif x.dtype == rdt and residual.dtype == rdt:
-        h = torch.add(x, residual)
-    else:
-        h = x.to(rdt, copy=True)
-        h.add_(residual)  # upcasts residual on the fly, no temporary
+    h = _stream(x, residual, rdt)
     cdt = _common.compute_dtype(rdt, y_fp32)
     w, b, _ = _params(weight, bias, cdt)
     y, mean, rstd = aten.native_layer_norm(h if h.dtype == cdt else h.to(cdt), [x.shape[-1]], w, b, eps)
@@ -179,13 +184,7 @@ def add_rms_norm_impl(
     ydt = _common.rms_output_dtype(cast, x.dtype, _weight_dtype(weight))
     if _cpu_kernels.rms_usable_forward(x, rdt, rnd, ydt):
         return _rms_compiled_forward(x, residual, weight, eps, rdt, offset, rnd is not None)
-    if residual is None:
-        h = x.to(rdt)
-    elif x.dtype == rdt and residual.dtype == rdt:
-        h = torch.add(x, residual)
-    else:
-        h = x.to(rdt, copy=True)
-        h.add_(residual)  # upcasts residual on the fly, no temporary
+    h = _stream(x, residual, rdt)
     cdt = _common.compute_dtype(rdt, True)
     hc = h if h.dtype == cdt else h.to(cdt)
     # the mean square as the reference modules take it (a squared temporary): vector_norm(h)**2, one pass
