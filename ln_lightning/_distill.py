@@ -55,6 +55,7 @@ class Distillation:
         # too (one more forward, no gradients): how far training alone has moved the function.
         self.measure_training_drift = False
         self._training_drift: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []  # this optimizer step's training losses, before the term (loss_tolerance)
         self._module: LightningModule | None = None
         self._transition = None
         self._wrapper = None
@@ -150,6 +151,12 @@ class Distillation:
         drift, self._drift = self._drift, []
         return torch.stack(drift).mean() if drift else None
 
+    def take_loss(self) -> torch.Tensor | None:
+        """The mean loss ``training_step`` returned in this optimizer step's micro-batches, before the distillation
+        term (a 0-dim device tensor, detached; None if none was seen), and start the next step's."""
+        losses, self._losses = self._losses, []
+        return torch.stack(losses).mean() if losses else None
+
     def take_training_drift(self) -> torch.Tensor | None:
         """The mean KL(trained || the model at blend 0) of this optimizer step's training forwards, where it was
         measured (a 0-dim device tensor; else None), and start the next step's."""
@@ -219,6 +226,9 @@ class Distillation:
         if not pending or out is None:
             return out
         self.distilled_once = True
+        loss = out if isinstance(out, torch.Tensor) else out.get("loss") if isinstance(out, dict) else None
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach().float().reshape(()))
         kl = torch.stack(pending).mean()
         self._drift.append(kl.detach())
         self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)

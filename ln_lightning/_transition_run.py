@@ -19,7 +19,7 @@ from lightning.pytorch import LightningModule, Trainer
 from ln_lightning._distill import Distillation
 from ln_lightning._warnings import info, warn
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement.spec import TransitionSpec
+from ln_lightning.placement.spec import LOSS_BASELINE_STEPS, TransitionSpec
 from ln_lightning.placement.transition_control import endpoint_step
 
 log = logging.getLogger("ln_lightning.plugin")
@@ -42,6 +42,7 @@ class TransitionRun:
         self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
         self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
+        self.loss_gate = _LossGate(spec.loss_tolerance, spec.steps) if spec.loss_tolerance is not None else None
 
     # ------------------------------------------------------------------ the plugin's calls
     def start(self, trainer: Trainer, pl_module: LightningModule, t) -> None:
@@ -49,6 +50,10 @@ class TransitionRun:
         spec = self.spec
         if t.closed and t.host_steps >= t.steps:  # a second fit of a transition that spent its budget
             self._warn_over_budget(trainer, t, float(t.blend))
+        if self.loss_gate is not None and t.host_steps > 0:
+            info(log, f"LNPlacement: the transition resumes at step {t.host_steps}; its loss gate (loss_tolerance="
+                 f"{spec.loss_tolerance:g}) measures where the loss starts again, over this fit's first "
+                 f"{self.loss_gate.baseline_steps} held-blend steps.")
         if spec.distill <= 0 and not t.closed:
             return
         self.distill = Distillation(spec.distill, spec.reference)
@@ -155,13 +160,19 @@ class TransitionRun:
         budget's end only. Returns the blend where it was read, else None."""
         spec, distill = self.spec, self.distill
         drift = distill.take_drift() if distill is not None and distill.active else None
+        loss = distill.take_loss() if distill is not None and distill.active else None
         if self.over_budget:
             return None
-        if not self.endpoint:  # an endpoint step's drift is the end point's, not the held blend's
+        if not self.endpoint:  # an endpoint step's drift (and loss) is the end point's, not the held blend's
             if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
                 drift = torch.zeros((), device=t.blend.device)
             drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
-            t.gate(drift, self._tolerance(trainer, pl_module, distill), spec.rate())
+            allow = None
+            if self.loss_gate is not None and loss is not None:
+                allow = self.loss_gate.update(trainer.strategy.reduce(loss, reduce_op="mean"))
+                if self.loss_gate.rise is not None:
+                    pl_module.log("ln_placement/loss_rise", self.loss_gate.rise.clone(), on_step=True, on_epoch=False)
+            t.gate(drift, self._tolerance(trainer, pl_module, distill), spec.rate(), allow=allow)
             # the smoothed drift the loop just gated on (logged after the gate: never the -1 of "not measured yet")
             pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
@@ -179,7 +190,7 @@ class TransitionRun:
             self.warned_pace = True
             if trainer.is_global_zero:
                 warn(f"LNPlacement: at step {done} of its {steps}-step budget the closed-loop transition to "
-                     f"{self.placement}-norm stands at blend {a:.3g}: {_pace_words(need, self.pace, spec.tolerance)}. Unless "
+                     f"{self.placement}-norm stands at blend {a:.3g}: {self._pace_words(need)}. Unless "
                      "that changes it will stop where it stands at the budget's end, not finish.")
         return a
 
@@ -207,13 +218,33 @@ class TransitionRun:
         self.over_budget = True
         self.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
                            "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since}
+        if self.loss_gate is not None:
+            self.unfinished.update(loss_tolerance=spec.loss_tolerance, loss_rise=self.loss_gate.read())
         if trainer.is_global_zero:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
-                 f"blend {a:.4g} (drift tolerance {spec.tolerance:g}); {_pace_words(need, self.pace, spec.tolerance)}. "
+                 f"blend {a:.4g} ({self._tolerances()}); {self._pace_words(need)}. "
                  f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
                  "load back into it), and the fit goes on there. Continue with a larger budget, "
-                 f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g})), "
+                 f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
+                 + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "") + ")), "
                  "or accept more drift with a larger tolerance.")
+
+    def _tolerances(self) -> str:
+        spec = self.spec
+        words = f"drift tolerance {spec.tolerance:g}"
+        return words if spec.loss_tolerance is None else words + f", loss tolerance {spec.loss_tolerance:g}"
+
+    def _pace_words(self, need: int | None) -> str:
+        """Why the blend moves as it does (a host read of the loss gate's state: only when a warning is written)."""
+        if need is not None:
+            return f"at its recent pace it needs about {need} steps in all"
+        since = "" if self.pace.still_since is None else f" since step {self.pace.still_since}"
+        rise = None if self.loss_gate is None else self.loss_gate.read()
+        if rise is not None and rise > self.spec.loss_tolerance:
+            return (f"the blend has not moved{since}: the training loss stays {rise:.3g} above where the transition "
+                    f"started, over the loss tolerance ({self.spec.loss_tolerance:g}), faster than training brings it back")
+        return (f"the blend has not moved{since}: the drift from the trained function stays above the tolerance "
+                f"({self.spec.tolerance:g}) faster than training brings it back")
 
     @staticmethod
     def _warn_no_distillation(trainer: Trainer, reason: str, t=None) -> None:
@@ -276,9 +307,34 @@ class _Pace:
         return None
 
 
-def _pace_words(need: int | None, pace: _Pace | None, tolerance: float) -> str:
-    if need is not None:
-        return f"at its recent pace it needs about {need} steps in all"
-    since = "" if pace is None or pace.still_since is None else f" since step {pace.still_since}"
-    return (f"the blend has not moved{since}: the drift from the trained function stays above the tolerance "
-            f"({tolerance:g}) faster than training brings it back")
+class _LossGate:
+    """TransitionSpec.loss_tolerance: the training loss's rise over where the transition started, on the device.
+
+    The start is the mean loss of the first held-blend optimizer steps (LOSS_BASELINE_STEPS, fewer on a short
+    budget; the blend has barely moved then), the rise each later step's loss minus it, smoothed (a single
+    batch's loss is noisier than the rise it would gate on)."""
+
+    EMA = 0.9
+
+    def __init__(self, tolerance: float, steps: int):
+        self.tolerance = tolerance
+        self.baseline_steps = max(1, min(LOSS_BASELINE_STEPS, steps // 4))
+        self.seen = 0  # held-blend steps counted into the start (host count: the same on every rank)
+        self.total: torch.Tensor | None = None
+        self.rise: torch.Tensor | None = None
+
+    def update(self, loss: torch.Tensor) -> torch.Tensor | None:
+        """Count one held-blend step's loss; the gate's verdict (a 0-dim bool tensor), or None while the start is
+        being measured."""
+        loss = loss.detach().float()
+        if self.seen < self.baseline_steps:
+            self.total = loss if self.total is None else self.total + loss
+            self.seen += 1
+            return None
+        rise = loss - self.total / self.seen
+        self.rise = rise if self.rise is None else self.EMA * self.rise + (1.0 - self.EMA) * rise
+        return self.rise <= self.tolerance
+
+    def read(self) -> float | None:
+        """The smoothed rise on the host (one read: for warnings and the report, never per step)."""
+        return None if self.rise is None else float(self.rise)

@@ -314,7 +314,8 @@ class _Spy(Callback):
         self.mode.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("spec", [dict(steps=20), dict(steps=20, tolerance=None)], ids=["closed", "open"])
+@pytest.mark.parametrize("spec", [dict(steps=20), dict(steps=20, tolerance=None), dict(steps=20, loss_tolerance=0.5)],
+                         ids=["closed", "open", "loss-gate"])
 def test_no_host_read_from_the_plugin_on_transition_steps_that_do_not_log(tmp_path, spec):
     spy = _Spy()
     trainer(tmp_path, _plugin(**spec), max_steps=8, callbacks=[spy], log_every_n_steps=1000).fit(
@@ -436,3 +437,67 @@ def test_a_closed_loop_that_reached_blend_1_between_reads_ends_at_the_fits_end_a
         warnings.simplefilter("error", LNLightningWarning)  # no "the fit ended during the transition"
         trainer(tmp_path, plugin, max_steps=7, log_every_n_steps=50).fit(model, loader())
     assert transition.get_blend(model) is None  # the machinery is gone: the model is its pre-norm rewrite
+
+
+# ---------------------------------------------------------------------------------------------- the loss gate
+def test_the_loss_tolerance_validates():
+    assert TransitionSpec(steps=10, loss_tolerance=1).loss_tolerance == 1.0
+    with pytest.raises(ValueError, match="loss_tolerance must be a positive number"):
+        TransitionSpec(steps=10, loss_tolerance=0)
+    with pytest.raises(ValueError, match="Give a tolerance, or drop loss_tolerance"):
+        TransitionSpec(steps=10, tolerance=None, loss_tolerance=0.02)
+
+
+def test_the_loss_gate_smooths_the_rise_over_the_start_against_a_hand_computation():
+    from ln_lightning._transition_run import _LossGate
+
+    gate = _LossGate(0.1, steps=8)  # a start over 8 // 4 = 2 held steps
+    losses = [2.0, 2.2, 2.3, 2.5, 2.05, 2.0]
+    start, smoothed, expected = (2.0 + 2.2) / 2, None, [None, None]
+    for loss in losses[2:]:
+        rise = loss - start
+        smoothed = rise if smoothed is None else 0.9 * smoothed + 0.1 * rise
+        expected.append(smoothed <= 0.1)
+    got = [gate.update(torch.tensor(v)) for v in losses]
+    assert got[:2] == [None, None]
+    assert [bool(g) for g in got[2:]] == expected[2:] and expected[2:] == [False, False, False, False]
+    assert gate.read() == pytest.approx(smoothed, rel=1e-6)
+
+
+class _RisingLoss(LM):
+    """lr 0 (the weights stay the trained ones); from step 3 on, training_step's loss is 1 nat higher."""
+
+    def training_step(self, b, batch_idx):
+        return super().training_step(b, batch_idx) + (1.0 if self.global_step >= 3 else 0.0)
+
+
+def test_a_rising_training_loss_holds_the_blend_and_the_run_says_why(tmp_path):
+    """The drift's tolerance is one nothing reaches; the loss gate's start is the mean of steps 0-2 (12 // 4 = 3),
+    the loss is 1 nat above it from step 3 on: the blend advances on steps 0-2 only (1/6 each), then holds, the
+    warning and the report name the loss, and ln_placement/loss_rise shows the rise."""
+    module = _RisingLoss("demo", lr=0.0)
+    spec = TransitionSpec(steps=12, tolerance=100.0, endpoint_fraction=0.0, loss_tolerance=0.5)
+    plugin = LNPlacement("pre", transition=spec, fused=False, log_report=True)
+    with pytest.warns(LNLightningWarning) as caught:
+        _logged_trainer(tmp_path, plugin, 12).fit(module, train_dataloaders=loader())
+    t = transition.active(module)
+    assert t is not None and t.blend.item() == pytest.approx(3 * spec.rate(), rel=1e-6) and spec.rate() == pytest.approx(1 / 6)
+    said = [str(w.message) for w in caught if w.category is LNLightningWarning]
+    assert any(re.search(r"spent its budget of 12 steps at blend 0\.5 \(drift tolerance 100, loss tolerance 0\.5\).*training "
+                         r"loss stays 1(\.\d+)? above where the transition started", m) for m in said), said
+    rises = _csv_column(tmp_path / "logs", "ln_placement/loss_rise")
+    assert len(rises) == 9 and all(r == pytest.approx(1.0, abs=0.05) for r in rises)  # steps 3-11
+    final = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
+    assert final["finished"] is False and final["loss_tolerance"] == 0.5 and final["loss_rise"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_loss_that_does_not_rise_leaves_the_closed_loop_as_without_the_gate(tmp_path):
+    """lr 0 and the same batches: with a loss tolerance no rise reaches, the blends are those of the drift alone."""
+    blends = {}
+    for name, extra in (("drift", {}), ("both", dict(loss_tolerance=10.0))):
+        module = LM("demo", lr=0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LNLightningWarning)
+            _logged_trainer(tmp_path / name, _plugin(steps=12, tolerance=0.05, **extra), 10).fit(module, train_dataloaders=loader())
+        blends[name] = _csv_column(tmp_path / name / "logs", "ln_placement/transition")
+    assert blends["both"] == blends["drift"] and len(set(blends["drift"])) > 2

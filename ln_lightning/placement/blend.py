@@ -218,14 +218,19 @@ class Transition(nn.Module):
         self._at_end = bool(on)
 
     @torch.no_grad()
-    def gate(self, drift: torch.Tensor, tolerance: float, rate: float, ema: float = 0.8) -> None:
+    def gate(self, drift: torch.Tensor, tolerance: float, rate: float, ema: float = 0.8,
+             allow: torch.Tensor | None = None) -> None:
         """One step of the closed loop, on the device (no synchronisation): smooth the measured drift (a 0-dim
         tensor, the same on every rank), and advance the blend by `rate` only while the smoothed drift is within
-        `tolerance`. It never goes back and ends at exactly 1."""
+        `tolerance` (and `allow`, a 0-dim bool tensor, where given: another gate's verdict). It never goes back
+        and ends at exactly 1."""
         d = drift.detach().to(self.drift)
         smoothed = torch.where(self.drift < 0, d, ema * self.drift + (1.0 - ema) * d)
         self.drift.copy_(smoothed)
-        self.blend.copy_(torch.clamp(self.blend + rate * (smoothed <= tolerance).to(self.blend), max=1.0))
+        ok = smoothed <= tolerance
+        if allow is not None:
+            ok = ok & allow
+        self.blend.copy_(torch.clamp(self.blend + rate * ok.to(self.blend), max=1.0))
 
     @contextlib.contextmanager
     def pinned(self, value: float):
