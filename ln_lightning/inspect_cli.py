@@ -6,23 +6,18 @@ A bad model or option is reported in one line on stderr with exit code 2, never 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib
 import json
-import os
 import sys
 
 import torch
 from torch import nn
 
+from ln_lightning._cli_errors import CliError, OneLineParser, run
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import convert, inspect_model
 from ln_lightning.placement.spec import PlacementSpec
-
-
-class CliError(Exception):
-    """A problem with what the user asked for: one line, exit code 2."""
 
 
 def _load_factory(spec: str):
@@ -61,29 +56,14 @@ def _branch_scale(value: str | None):
         raise CliError(f"--branch-scale {value!r} is not valid; use None, a positive float, 'depth' or 'layerscale'") from None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage and exits 2; keep it to one line
-        raise CliError(message)
-
-
 def main(argv: list[str]) -> int:
-    try:
-        return _main(argv)
-    except CliError as e:
-        print(f"ln-lightning {argv[0] if argv else 'inspect'}: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - a model we can't read is the user's problem to see, in one line
-        if os.environ.get("LN_LIGHTNING_TRACEBACK"):
-            raise
-        msg = " ".join(str(e).split())
-        print(f"ln-lightning {argv[0] if argv else 'inspect'}: {type(e).__name__}: {msg}", file=sys.stderr)
-        return 2
+    return run(f"ln-lightning {argv[0] if argv else 'inspect'}", _main, argv)
 
 
 def _main(argv: list[str]) -> int:
     if argv[0] == "demo":
         return _demo(argv[1:])
-    p = _Parser(prog="ln-lightning inspect", description="Print a model's residual stacks and norm placement.")
+    p = OneLineParser(prog="ln-lightning inspect", description="Print a model's residual stacks and norm placement.")
     p.add_argument("factory", help="MODULE:FACTORY, a callable returning the model (or a module attribute holding it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--placement", choices=["pre", "post"], help="also show what convert(placement=...) would change (on a copy)")

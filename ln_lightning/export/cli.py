@@ -9,37 +9,18 @@ form). A checkpoint it cannot serve is reported in one line on stderr with exit 
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import os
 import sys
 from pathlib import Path
 
+from ln_lightning._cli_errors import CliError, OneLineParser, run
 from ln_lightning.checkpoint import CHECKPOINT_KEY, read_checkpoint
 from ln_lightning.export.hf import save_pretrained
 from ln_lightning.plugin import load_converted
 
 
-class CliError(Exception):
-    """A checkpoint or option `export` cannot serve: one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage and exits 2; keep it to one line
-        raise CliError(message)
-
-
 def main(argv: list[str]) -> int:
-    try:
-        return _main(argv)
-    except CliError as e:
-        print(f"ln-lightning export: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - a checkpoint we can't serve is the user's to see, in one line
-        if os.environ.get("LN_LIGHTNING_TRACEBACK"):
-            raise
-        print(f"ln-lightning export: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    return run("ln-lightning export", _main, argv)
 
 
 def _import_class(spec: str, option: str):
@@ -63,7 +44,7 @@ def _import_class(spec: str, option: str):
 
 
 def _main(argv: list[str]) -> int:
-    p = _Parser(prog="ln-lightning export", description="Write the converted Hugging Face model of a checkpoint written "
+    p = OneLineParser(prog="ln-lightning export", description="Write the converted Hugging Face model of a checkpoint written "
                 "with LNPlacement as a Hugging Face directory (native class where one exists, else remote code).")
     p.add_argument("checkpoint", help="a .ckpt written by a run with LNPlacement")
     p.add_argument("out_dir", help="a new (or empty) directory")
