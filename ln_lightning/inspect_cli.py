@@ -66,7 +66,7 @@ def _main(argv: list[str]) -> int:
     p = OneLineParser(prog="ln-lightning inspect", description="Print a model's residual stacks and norm placement.")
     p.add_argument("factory", help="MODULE:FACTORY, a callable returning the model (or a module attribute holding it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--placement", choices=["pre", "post"], help="also show what convert(placement=...) would change (on a copy)")
+    p.add_argument("--placement", choices=["pre", "post", "deepnorm"], help="also show what convert(placement=...) would change (on a copy)")
     p.add_argument("--branch-scale", default=None, help="with --placement: None, a float, 'depth' or 'layerscale'")
     p.add_argument("--no-final-norm", action="store_true", help="with --placement: don't add final norms")
     args = p.parse_args(argv[1:])

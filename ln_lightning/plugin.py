@@ -166,7 +166,8 @@ class LNPlacement(LayerSync, Callback):
         placement: what the rewrite computes: a :class:`~ln_lightning.PlacementSpec` (the placement, the final norm,
             the branch scale), or a placement's name as its shorthand: ``"pre"`` (``x <- x + F(LN(x))``), ``"post"``
             (``x <- LN(x + F(x))``, to migrate back), ``"peri"`` (``x + N_out(F(N(x)))``, Peri-LN), ``"output"``
-            (``x + N(F(x))``, OLMo 2) or ``"mix"`` (Mix-LN). ``"pre"`` is ``PlacementSpec("pre")``: a final norm
+            (``x + N(F(x))``, OLMo 2), ``"mix"`` (Mix-LN) or ``"deepnorm"`` (DeepNorm, exact from a post-norm model,
+            no transition). ``"pre"`` is ``PlacementSpec("pre")``: a final norm
             added where a converted stack lacks one, no branch scale. The keywords ``final_norm``, ``branch_scale``,
             ``layerscale_init`` and ``mix_post_blocks`` (the spec's fields) and ``sync_batchnorm`` (``layer_sync=
             TorchSyncBatchNorm()``) still work for this release, with an LNLightningDeprecationWarning.
@@ -416,7 +417,7 @@ class LNPlacement(LayerSync, Callback):
         # Without an input the engine reads the code around a stack with torch.fx; where that fails it can't tell
         # whether the model applies a norm after the stack, and convert would leave a pre-norm stack that may have
         # no final norm (its report: not complete). A fit would train that silently: stop it, naming the fix.
-        if not self.spec.final_norm or self.placement == "post":
+        if not self.spec.final_norm or self.placement in ("post", "deepnorm"):  # (DeepNorm stays post-norm)
             return
         try:
             stacks = inspect_model(model).stacks

@@ -16,6 +16,7 @@ boxes (`black_box.py`), which does not depend on what the recording sees.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ from ln_lightning.placement.plan import RewritePlan, Unrecognised
 from ln_lightning.placement.report import BlockInfo, SublayerInfo
 from ln_lightning.placement.scale import BranchScale, InputScale, depth_scale, layerscale_init_for_depth
 
+# On a block rewritten to DeepNorm (placement/deepnorm.py, which imports this module): what its undo divides back.
+_DEEPNORM = "_ln_lightning_deepnorm"
 # On a branch_scale="stream" BranchScale (pre), added output norm (peri) or InputScale (output): the norm whose stream
 # its branch reads.
 STREAM_SITE_ATTR = "ln_lightning_stream_site"
@@ -110,7 +113,10 @@ class Handler:
         raise NotImplementedError
 
     def info(self) -> BlockInfo:
-        return BlockInfo(self.path, type(self.block).__name__, self.recogniser, self.sublayers())
+        subs = self.sublayers()
+        if _DEEPNORM in self.block.__dict__:  # post-norm with DeepNorm's alpha (placement/deepnorm.py)
+            subs = [dataclasses.replace(s, placement="deepnorm") for s in subs]
+        return BlockInfo(self.path, type(self.block).__name__, self.recogniser, subs)
 
     def norms(self) -> list[nn.Module]:
         raise NotImplementedError

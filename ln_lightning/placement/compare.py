@@ -39,8 +39,8 @@ def difference(existing: dict, request: dict, model: nn.Module, added: list[str]
     if existing.get("placement") != request["placement"]:
         return f"placement {existing.get('placement')!r} is not {request['placement']!r}"
     placement = request["placement"]
-    if placement == "post":
-        return None  # "post" takes no other option that changes the function
+    if placement in ("post", "deepnorm"):
+        return None  # "post" and "deepnorm" take no other option that changes the function
     if placement == "mix" and existing.get("mix_post_blocks") != request.get("mix_post_blocks"):
         # None is a quarter of each stack: an explicit count equal to that on every stack is the same function.
         depths = [s.depth for s in inspect_model(model).stacks]

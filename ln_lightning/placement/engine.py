@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ln_lightning.placement import final_norm as fn
-from ln_lightning.placement import hooks, isolation
+from ln_lightning.placement import deepnorm, hooks, isolation
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.blocks import Handler, ScaleFactory, TorchLayerHandler
 from ln_lightning.placement.checks import CheckFailed, relative_error, tolerance
@@ -236,8 +236,10 @@ def convert(
         placement: "pre" (`x + F(N(x))`), "post" (`N(x + F(x))`), "peri" (`x + N_out(F(N(x)))`:
             Peri-LN, Gemma's sandwich; the added output norms are fresh norms of the input norm's class,
             shape and eps with the identity gain), "output" (`x + N(F(x))`, OLMo 2: the sublayer's own
-            norm moves to the branch output) or "mix" (Mix-LN: the first `mix_post_blocks` blocks of
-            each stack post-norm, by default a quarter, the rest pre-norm). Or a PlacementSpec, which then holds
+            norm moves to the branch output), "mix" (Mix-LN: the first `mix_post_blocks` blocks of
+            each stack post-norm, by default a quarter, the rest pre-norm) or "deepnorm" (DeepNorm on a post-norm
+            model, `N(alpha x + G'(x))` with alpha = (2N)^(1/4) folded into each branch's last linear layer and
+            its exit scaled by 1/alpha: the same function, see placement/deepnorm.py). Or a PlacementSpec, which then holds
             `final_norm`, `branch_scale`, `layerscale_init` and `mix_post_blocks` (leave those keywords out), and no
             transition (convert rewrites at once; a transition runs under LNPlacement).
         final_norm: for "pre": give each converted stack that lacks one a final norm where the
@@ -350,7 +352,7 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
         report.notes.extend(notes)
     for stack in found.stacks:
         fn.detect(model, stack, found)
-    if placement != "pre":
+    if placement not in ("pre", "deepnorm"):  # (DeepNorm rewrites post-norm blocks only: an added final norm stays)
         for stack in found.stacks:  # first, so the blocks are checked without our final norm after them
             removed = fn.remove(model, stack)
             if removed:
@@ -359,19 +361,20 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     for stack in found.stacks:
         scales = ScaleFactory(branch_scale, len(stack.handlers), layerscale_init)
         targets = mix_split(placement, len(stack.handlers), mix_post_blocks)
+        scales.alpha = deepnorm.deepnorm_alpha(len(stack.handlers))  # placement "deepnorm": DeepNorm's alpha for this stack
         for h, target in zip(stack.handlers, targets):
             probe, observed = None, None
             if found.observation is not None:
                 probe = found.observation.inputs.get(id(h.block))
                 observed = found.observation.block_output(h.block)
-            change = _convert_block(h, target, scales, refused.get(h.path), probe, observed, report)
+            change = _convert_block(h, target, scales, refused.get(h.path), probe, observed, report, model)
             report.blocks.append(change)
             if change.status == "skipped" and strict:
                 raise PlacementError(f"strict conversion: block {h.path} ({change.kind}) skipped: {change.reason}")
             if change.fallback and strict:
                 raise PlacementError(f"strict conversion: block {h.path} ({change.kind}) can't take branch_scale={branch_scale!r}: "
                                      f"{change.fallback}")
-        if targets and targets[-1] != "post":
+        if targets and targets[-1] not in ("post", "deepnorm"):
             _final_norm_step(model, stack, found, final_norm, strict, report, targets)
 
     if found.observation is not None and report.changed:
@@ -393,7 +396,13 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     else:
         report.output_change, report.output_change_scope = 0.0, "model" if model_before is not None else "blocks"
     preserved = report.output_change is not None and report.output_change <= PRESERVE_TOLERANCE
-    report.preserves_function = preserved and not report.added and not report.removed
+    # DeepNorm's branch scales (1/alpha, with alpha folded into the weights) are part of an exact reparameterisation.
+    # DeepNorm's branch scales (1/alpha, with alpha folded into the weights) are part of an exact reparameterisation,
+    # added or removed with it.
+    deepnormed = {b.path for b in report.converted if "deepnorm" in (b.before, b.after)}
+    added, removed = ([p for p in paths if (p.rsplit(".", 1)[0] if "." in p else "") not in deepnormed]
+                      for paths in (report.added, report.removed))
+    report.preserves_function = preserved and not added and not removed
     if report.changed:
         _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report)
     return report
@@ -422,7 +431,8 @@ def _record(model, placement, final_norm, branch_scale, layerscale_init, mix_pos
                                                            report=report.to_dict()))
 
 
-def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_reason, captured, observed, report) -> BlockChange:
+def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_reason, captured, observed, report,
+                   model: nn.Module | None = None) -> BlockChange:
     info = h.info()
     before = info.placement
     change = BlockChange(h.path, info.kind, "already", before, before)
@@ -435,7 +445,7 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
     if refused_reason:
         change.status, change.reason = "skipped", refused_reason
         return change
-    reason = h.can_convert_to(placement, None)
+    reason = deepnorm_refusal(h, before, placement) or (None if placement == "deepnorm" else h.can_convert_to(placement, None))
     if reason:
         change.status, change.reason = "skipped", reason
         return change
@@ -455,6 +465,9 @@ def _convert_block(h: Handler, placement: str, scales: ScaleFactory, refused_rea
             change.reason = f"running the block on a probe input failed ({type(e).__name__}: {e}); pass example_input= to probe it with real inputs"
             return change
     change.from_written = h.as_written()
+    if placement == "deepnorm":
+        _deepnorm_and_check(h, scales.alpha, fresh, y_before, change, report, model)
+        return change
     # A block whose branches can't take the branch scale gets the rewrite without it, never no rewrite at all.
     why_unscaled = h.scale_refusal(placement, scales)
     done = _rewrite_and_check(h, placement, scales.without_scale() if why_unscaled else scales, fresh, y_before, change, report)
@@ -481,6 +494,7 @@ def _rewrite_and_check(h: Handler, placement: str, scales: ScaleFactory, fresh, 
     args, kwargs = fresh()
     block_snapshot = Snapshot(h.block)
     try:
+        deepnorm.undo(h)  # a DeepNorm block (to "post" only, see deepnorm_refusal): its linears divided back first
         added, removed = h.to(placement, scales)
     except Unrecognised as e:
         block_snapshot.restore()
@@ -516,6 +530,42 @@ def _rewrite_and_check(h: Handler, placement: str, scales: ScaleFactory, fresh, 
     change.reference_error = ref_err
     change.output_change = relative_error(_first_tensor(y_after), y_before)
     return True
+
+
+def deepnorm_refusal(h: Handler, before: str, placement: str) -> str | None:
+    """Why `h` can't be rewritten from `before` to `placement` for DeepNorm's sake (None: it can, as far as that goes)."""
+    if placement == "deepnorm" and before != "post":
+        if before == "pre" and h.as_written():
+            return ("DeepNorm is a post-norm form (LN(alpha*x + G(x))), and this block is pre-norm as written: a pre-norm "
+                    "block has no post-norm form computing the same function, so there is no exact switch. Use "
+                    "placement='pre' (with branch_scale or the LayerNorm Scaling norm_scale='depth' for depth), or "
+                    "start from a post-norm model")
+        return (f"DeepNorm rewrites a post-norm block, and this one computes {before}-norm now: convert the model to "
+                "'post' first (ln_lightning.convert(model, 'post')), then to 'deepnorm'")
+    if before == "deepnorm" and placement != "post":
+        return (f"the block is DeepNorm-reparameterised (its branches' last linear layers hold alpha): convert the model to "
+                f"'post' first (ln_lightning.convert(model, 'post') divides alpha back out), then to {placement!r}")
+    return None
+
+
+def _deepnorm_and_check(h: Handler, alpha: float, fresh, y_before, change: BlockChange, report, model) -> None:
+    """Rewrite the post-norm block `h` to DeepNorm (`deepnorm.apply`) and check it; on any failure the block is put
+    back as it was and reported skipped."""
+    block_snapshot = Snapshot(h.block)
+    args, kwargs = fresh()
+    stream = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    tol = tolerance(stream.dtype if stream is not None else torch.float32)
+    try:
+        added, err = deepnorm.apply(h, alpha, fresh, y_before, tol, root=model)
+    except (Unrecognised, CheckFailed) as e:
+        block_snapshot.restore()
+        change.status, change.reason = "skipped", f"not rewritten to DeepNorm, block left unchanged: {e}"
+        return
+    report.added.extend(added)
+    change.status, change.after = "converted", "deepnorm"
+    change.check_error = err
+    change.output_change = err
+    change.reason = f"alpha = {alpha:.4g} folded into the branches' last linear layers, their outputs scaled by 1/alpha"
 
 
 def _final_norm_step(model, stack: Stack, found: Found, final_norm: bool, strict: bool, report: ConversionReport, targets: list[str]) -> None:

@@ -6,10 +6,11 @@ import math
 
 from ln_lightning.placement.errors import PlacementError
 
-PLACEMENTS = ("pre", "post", "peri", "output", "mix")
+PLACEMENTS = ("pre", "post", "peri", "output", "mix", "deepnorm")
 _PLACEMENT_HELP = (
     "'pre' (x + F(N(x))), 'post' (N(x + F(x))), 'peri' (x + N_out(F(N(x))), Peri-LN / Gemma's sandwich), "
-    "'output' (x + N(F(x)), OLMo 2) and 'mix' (Mix-LN: the first mix_post_blocks blocks of each stack post, the rest pre)"
+    "'output' (x + N(F(x)), OLMo 2), 'mix' (Mix-LN: the first mix_post_blocks blocks of each stack post, the rest pre) "
+    "and 'deepnorm' (DeepNorm: N(alpha*x + G(x)), alpha = (2N)^(1/4), exact from a post-norm model)"
 )
 BRANCH_SCALES = ("None, a positive float c, 'depth' (c = 1/sqrt(2L)), 'layerscale' or 'stream' (per-branch constants a "
                  "transition measures from the trained model)")
@@ -67,6 +68,11 @@ def check_target(placement: str) -> None:
             "a transition to placement='post' can't preserve the function: ln_lightning converts to post-norm "
             "only by undoing its own rewrite, which has no trained function to keep. Use placement 'pre', 'peri', "
             "'output' or 'mix', or drop the transition"
+        )
+    if placement == "deepnorm":
+        raise PlacementError(
+            "placement='deepnorm' needs no transition: rewriting a post-norm model to DeepNorm is exact at the switch "
+            "(alpha goes into the branches' weights, the norm's scale invariance keeps the function). Drop the transition"
         )
     if placement not in TARGETS:
         raise PlacementError(f"a transition ends at one of {', '.join(map(repr, TARGETS))}, not {placement!r}")

@@ -221,7 +221,9 @@ class PlacementSpec:
 
     Args:
         placement: ``"pre"`` (``x + F(N(x))``), ``"post"`` (``N(x + F(x))``), ``"peri"`` (``x + N_out(F(N(x)))``),
-            ``"output"`` (``x + N(F(x))``) or ``"mix"`` (the first ``mix_post_blocks`` blocks post-norm, the rest pre).
+            ``"output"`` (``x + N(F(x))``), ``"mix"`` (the first ``mix_post_blocks`` blocks post-norm, the rest pre) or
+            ``"deepnorm"`` (DeepNorm's ``N(alpha x + G'(x))``, ``alpha = (2N)^(1/4)``: exact from a post-norm model,
+            alpha folded into each branch's last linear layer; no branch scale, no transition).
         final_norm: add a final norm after a stack converted to pre-norm that has none.
         branch_scale: ``None``, a positive float ``c`` (``x + c*F(N(x))``), ``"depth"`` (``c = 1/sqrt(2L)``),
             ``"layerscale"`` (a learnable per-channel scale) or ``"stream"`` (constants a transition measures).
