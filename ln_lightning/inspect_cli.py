@@ -69,12 +69,15 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--placement", choices=["pre", "post", "deepnorm"], help="also show what convert(placement=...) would change (on a copy)")
     p.add_argument("--branch-scale", default=None, help="with --placement: None, a float, 'depth' or 'layerscale'")
     p.add_argument("--no-final-norm", action="store_true", help="with --placement: don't add final norms")
+    p.add_argument("--norm-scale", choices=["depth"], default=None,
+                   help="with --placement pre: LayerNorm Scaling, block l's norm outputs times 1/sqrt(l)")
     args = p.parse_args(argv[1:])
-    if not args.placement and (args.branch_scale is not None or args.no_final_norm):
-        raise CliError("--branch-scale and --no-final-norm describe a conversion: pass --placement pre (or post) with them")
+    if not args.placement and (args.branch_scale is not None or args.no_final_norm or args.norm_scale is not None):
+        raise CliError("--branch-scale, --norm-scale and --no-final-norm describe a conversion: pass --placement pre (or post) "
+                       "with them")
     # The request is checked before the model is built: a bad option fails fast, with the spec's message.
-    spec = PlacementSpec(args.placement, final_norm=not args.no_final_norm, branch_scale=_branch_scale(args.branch_scale)) \
-        if args.placement else None
+    spec = PlacementSpec(args.placement, final_norm=not args.no_final_norm, branch_scale=_branch_scale(args.branch_scale),
+                         norm_scale=args.norm_scale) if args.placement else None
     model = _load_factory(args.factory)
     report = inspect_model(model)
     conversion = None

@@ -1,8 +1,8 @@
-"""DeepNorm (placement="deepnorm") on existing post-norm models (issue 34, point 3).
+"""DeepNorm (placement="deepnorm") and LayerNorm Scaling (norm_scale="depth") on existing models (issue 34, point 3).
 
 Each exactness check compares with a reference the product does not compute: the unconverted model itself, and
-DeepNorm's formula `LN(alpha x + G'(x))` written out here in float64 with the converted weights on fresh, unhooked
-modules.
+the formula (DeepNorm's `LN(alpha x + G'(x))`, LayerNorm Scaling's `x + F(LN(x)/sqrt(l))`) written out here in
+float64 with the converted weights on fresh, unhooked modules.
 """
 
 from __future__ import annotations
@@ -249,3 +249,151 @@ def test_inspect_cli_shows_what_deepnorm_would_change(capsys, monkeypatch):
     assert main(["inspect", "tests.test_deepnorm_ln_scaling:build_encoder", "--placement", "deepnorm"]) == 0
     out = capsys.readouterr().out
     assert "layers.0  converted  post -> deepnorm" in out and "The model computes the same function as before." in out
+
+
+# ------------------------------------------------------------------------------------------ LayerNorm Scaling
+LNS = PlacementSpec("pre", norm_scale="depth")
+
+
+def _lns_lm_reference(state: dict, idx: torch.Tensor, n_layers: int) -> torch.Tensor:
+    """LayerNorm Scaling's pre-norm formula for the demo LM, by hand in float64 on a fresh unhooked model holding the
+    converted weights: x <- x + attn(ln1(x)/sqrt(l)); x <- x + mlp(ln2(x)/sqrt(l)); logits = head(LN_final(x))."""
+    fresh = PostNormTransformerLM(vocab_size=50, d_model=32, n_layers=n_layers, n_heads=2, block_size=16).double()
+    own = set(fresh.state_dict())
+    fresh.load_state_dict({k: v.double() for k, v in state.items() if k in own})
+    with torch.no_grad():
+        x = fresh.tok_emb(idx) + fresh.pos_emb(torch.arange(idx.shape[1]))
+        for l, b in enumerate(fresh.blocks, start=1):
+            x = x + b.attn(b.ln1(x) / math.sqrt(l))
+            x = x + b.mlp(b.ln2(x) / math.sqrt(l))
+        x = F.layer_norm(x, (32,), state["blocks_final_norm.weight"].double(), state["blocks_final_norm.bias"].double(), 1e-5)
+        return fresh.head(x)
+
+
+def test_ln_scaling_on_the_demo_lm_is_the_papers_formula_and_says_it_changes_the_function():
+    model = _lm(n_layers=4, dtype=torch.float64)
+    idx = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(5))
+    report = convert(model, LNS, example_input=idx)
+    assert [b.status for b in report.blocks] == ["converted"] * 4
+    with torch.no_grad():
+        got = model(idx)
+    assert _rel(got, _lns_lm_reference(model.state_dict(), idx, 4)) < 1e-12
+    # Not function-preserving, and the report says so plainly.
+    assert not report.preserves_function and report.output_change > 1e-3
+    text = str(report)
+    assert "CHANGES the function" in text and "training-dynamics choice" in text and "1/sqrt(l)" in text
+    assert model.blocks[3].ln2_norm_scale.c.item() == pytest.approx(0.5)
+
+
+def test_ln_scaling_on_torch_layers_against_the_formula():
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 3,
+                                enable_nested_tensor=False).double().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    report = convert(enc, LNS, example_input=x)
+    assert len(report.converted) == 3 and not report.preserves_function
+    with torch.no_grad():
+        got = enc(x)
+        s = x
+        for l, converted in enumerate(enc.layers, start=1):
+            fresh = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).double().eval()
+            fresh.load_state_dict(converted.state_dict())
+            z = fresh.norm1(s) / math.sqrt(l)
+            s = s + fresh.self_attn(z, z, z, need_weights=False)[0]
+            s = s + fresh.linear2(F.relu(fresh.linear1(fresh.norm2(s) / math.sqrt(l))))
+        s = F.layer_norm(s, (16,), enc.norm.weight, enc.norm.bias, enc.norm.eps)
+        assert _rel(got, s) < 1e-12
+
+
+def test_branch_scale_depth_keeps_its_meaning():
+    model = _lm(n_layers=8)
+    convert(model, PlacementSpec("pre", branch_scale="depth"))
+    assert model.blocks[5].attn_scale.c.item() == pytest.approx(1 / math.sqrt(16))  # 1/sqrt(2L), every block
+    assert not [n for n, _ in model.named_modules() if n.endswith("_norm_scale")]
+
+
+def test_ln_scaling_config_round_trips_and_old_configs_read_without_it():
+    assert LNS.config == {"placement": "pre", "final_norm": True, "branch_scale": None, "norm_scale": "depth"}
+    assert PlacementSpec.from_config(LNS.config) == LNS
+    assert PlacementSpec.from_config({"placement": "pre", "final_norm": True, "branch_scale": None}).norm_scale is None
+    model = _lm()
+    convert(model, LNS)
+    assert PlacementSpec.from_config(LNPlacement.applied_config(model)) == LNS
+    # Back to post-norm: the scales go with the rewrite.
+    convert(model, "post")
+    assert not [n for n, _ in model.named_modules() if "norm_scale" in n] and LNPlacement.applied_config(model) is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(placement="post"), "use one of those, or drop norm_scale with placement='post'"),
+    (dict(placement="deepnorm"), "drop norm_scale with placement='deepnorm'"),
+    (dict(placement="peri"), "with placement 'pre' or 'mix'"),
+    (dict(branch_scale="depth"), "two depth scalings of the same branches: drop branch_scale"),
+    (dict(branch_scale="stream"), "drop branch_scale"),
+    (dict(transition=10), "drop the transition"),
+])
+def test_ln_scaling_contradictions_are_refused_with_the_fix(kwargs, match):
+    with pytest.raises(PlacementError, match=match):
+        PlacementSpec(**{"placement": "pre", "norm_scale": "depth", **kwargs})
+
+
+def test_ln_scaling_unknown_value_is_refused():
+    with pytest.raises(PlacementError, match="unknown norm_scale 'sqrt'; valid values are None and 'depth'"):
+        PlacementSpec("pre", norm_scale="sqrt")
+
+
+def test_ln_scaling_on_an_already_pre_norm_model_is_refused_by_lnplacement(tmp_path):
+    plugin = LNPlacement(LNS, fused=False, log_report=False)
+    with pytest.raises(ValueError, match="already pre-norm.*Drop norm_scale, or convert the model to post-norm first"):
+        Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                plugins=[plugin]).fit(_PreNormEncoder(), h.loader(4))
+
+
+def test_ln_scaling_export_is_refused_with_the_reason(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                          intermediate_size=64, vocab_size=100)).eval()
+    report = convert(bert, LNS)
+    assert len(report.converted) == 2
+    with pytest.raises(PlacementError, match="no remote-code form yet.*load_converted"):
+        ln_lightning.save_pretrained(bert, tmp_path / "bert")
+
+
+def _lns_trainer(root, steps, callbacks=()):
+    return Trainer(accelerator="cpu", devices=1, max_steps=steps, num_sanity_val_steps=0, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                   enable_checkpointing=bool(callbacks), callbacks=list(callbacks), default_root_dir=str(root),
+                   plugins=[LNPlacement(LNS, fused=False, log_report=False)])
+
+
+def test_an_ln_scaling_fit_resumes_from_a_checkpoint_to_the_same_function(tmp_path):
+    seed_everything(0)
+    model = CharLM(**h.TINY)
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    _lns_trainer(tmp_path, 6, [every]).fit(model, h.loader(12))
+    mid = tmp_path / "step=3.ckpt"
+    entry = torch.load(mid, weights_only=True)["ln_lightning"]
+    assert PlacementSpec.from_config(entry["config"]) == LNS
+    seed_everything(0)
+    resumed = CharLM(**h.TINY)
+    _lns_trainer(tmp_path / "again", 6).fit(resumed, h.loader(12), ckpt_path=str(mid))
+    idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(6))
+    model.eval()
+    resumed.eval()
+    with torch.no_grad():
+        assert torch.equal(resumed(idx), model(idx))
+        loaded = load_converted(CharLM, tmp_path / "step=6.ckpt")
+        assert torch.equal(loaded(idx), model(idx))
+    assert loaded.model.blocks[1].ln1_norm_scale.c.item() == pytest.approx(1 / math.sqrt(2))
+
+
+def test_inspect_cli_takes_norm_scale(capsys, monkeypatch):
+    from pathlib import Path
+
+    from ln_lightning.cli import main
+    monkeypatch.chdir(Path(__file__).parent.parent)
+    assert main(["inspect", "tests.test_deepnorm_ln_scaling:build_encoder", "--placement", "pre", "--norm-scale", "depth"]) == 0
+    out = capsys.readouterr().out
+    assert "norm_scale='depth'" in out and "training-dynamics choice" in out

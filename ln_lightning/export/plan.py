@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ln_lightning.placement import blend, hooks
+from ln_lightning.placement import blend, hooks, ln_scaling
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.scale import BranchScale, InputScale
 
@@ -55,6 +55,13 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
     """The plan of `model`'s rewrite. `added`, `derived`: the record's (relative to `model`); `markers`: owner
     path -> marker length; `transition`: the rewrite's transition module (also when it lives outside `model`)."""
     paths = {id(m): p for p, m in model.named_modules()}
+    scaled = [p for p, m in model.named_modules() if ln_scaling.ATTR in m.__dict__]
+    if scaled:
+        raise PlacementError(
+            f"LayerNorm Scaling (norm_scale='depth', on {scaled[0]}{' and others' if len(scaled) > 1 else ''}) has no "
+            "remote-code form yet: the saved directory would load as the model without it. Keep the Lightning checkpoint "
+            "(ln_lightning.load_converted), or save the state_dict and, to load it, build the model and run "
+            "convert(model, PlacementSpec('pre', norm_scale='depth')) before load_state_dict")
     plan: dict = {"deferred": [], "hooks": [], "added": [], "markers": sorted([p, n] for p, n in markers.items()),
                   "transition": transition is not None}
     if transition is not None and len(transition.frozen):

@@ -39,6 +39,8 @@ def difference(existing: dict, request: dict, model: nn.Module, added: list[str]
     if existing.get("placement") != request["placement"]:
         return f"placement {existing.get('placement')!r} is not {request['placement']!r}"
     placement = request["placement"]
+    if existing.get("norm_scale") != request.get("norm_scale"):  # LayerNorm Scaling: None is no scale
+        return f"norm_scale {existing.get('norm_scale')!r} is not {request.get('norm_scale')!r}"
     if placement in ("post", "deepnorm"):
         return None  # "post" and "deepnorm" take no other option that changes the function
     if placement == "mix" and existing.get("mix_post_blocks") != request.get("mix_post_blocks"):

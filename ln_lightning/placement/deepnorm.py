@@ -33,6 +33,7 @@ from torch import nn
 from ln_lightning.placement import hooks
 from ln_lightning.placement.blocks import _DEEPNORM, TorchLayerHandler
 from ln_lightning.placement.checks import CheckFailed, relative_error
+from ln_lightning.placement.discovery import eval_no_grad
 from ln_lightning.placement.plan import Unrecognised
 from ln_lightning.placement.scale import BranchScale
 
@@ -79,7 +80,6 @@ def _hooked_linears(h, fresh) -> list[tuple[str, str, str]]:
         handles.append(h.block.get_submodule(path).register_forward_hook(keep) if path else h.block.register_forward_hook(keep))
     try:
         args, kwargs = fresh()
-        from ln_lightning.placement.discovery import eval_no_grad  # (a cycle at import time otherwise)
         with eval_no_grad(h.block), hooks.bypass():
             h.block(*args, **kwargs)
     finally:
@@ -123,8 +123,6 @@ def _refuse_shared(h, root: nn.Module | None, linear: nn.Linear, path: str) -> N
 
 def _run(h, fresh, paths) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
     """The block's stream output on a fresh probe, and the outputs of the modules at `paths` in that forward."""
-    from ln_lightning.placement.discovery import eval_no_grad  # (a cycle at import time otherwise)
-
     got: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
     handles = [h.block.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: got[p].append(o.detach()))
                for p in paths]

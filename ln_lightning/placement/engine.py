@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ln_lightning.placement import final_norm as fn
-from ln_lightning.placement import deepnorm, hooks, isolation
+from ln_lightning.placement import deepnorm, hooks, isolation, ln_scaling
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.blocks import Handler, ScaleFactory, TorchLayerHandler
 from ln_lightning.placement.checks import CheckFailed, relative_error, tolerance
@@ -223,6 +223,7 @@ def convert(
     example_input: Any = None,
     layerscale_init: float | None = _Default(None),
     mix_post_blocks: int | None = _Default(None),
+    norm_scale: str | None = _Default(None),
 ) -> ConversionReport:
     """Rewrite the norm placement of every recognised residual block, in place.
 
@@ -240,7 +241,7 @@ def convert(
             each stack post-norm, by default a quarter, the rest pre-norm) or "deepnorm" (DeepNorm on a post-norm
             model, `N(alpha x + G'(x))` with alpha = (2N)^(1/4) folded into each branch's last linear layer and
             its exit scaled by 1/alpha: the same function, see placement/deepnorm.py). Or a PlacementSpec, which then holds
-            `final_norm`, `branch_scale`, `layerscale_init` and `mix_post_blocks` (leave those keywords out), and no
+            `final_norm`, `branch_scale`, `layerscale_init`, `mix_post_blocks` and `norm_scale` (leave those keywords out), and no
             transition (convert rewrites at once; a transition runs under LNPlacement).
         final_norm: for "pre": give each converted stack that lacks one a final norm where the
             stack's output leaves it, run once per forward. It is a copy of the norm that produced
@@ -274,7 +275,8 @@ def convert(
     _check_model(model, "convert")
     if isinstance(placement, PlacementSpec):
         given = [k for k, v in (("final_norm", final_norm), ("branch_scale", branch_scale),
-                                 ("layerscale_init", layerscale_init), ("mix_post_blocks", mix_post_blocks)) if _given(v)]
+                                 ("layerscale_init", layerscale_init), ("mix_post_blocks", mix_post_blocks),
+                                 ("norm_scale", norm_scale)) if _given(v)]
         if given:
             raise PlacementError(f"convert: {', '.join(given)} given beside a PlacementSpec, which holds them; set them in "
                                  "the PlacementSpec")
@@ -283,11 +285,11 @@ def convert(
                                  "runs under LNPlacement (Trainer(plugins=[LNPlacement(spec)]))")
         spec = placement
         placement, final_norm, branch_scale = spec.placement, spec.final_norm, spec.branch_scale
-        layerscale_init, mix_post_blocks = spec.layerscale_init, spec.mix_post_blocks
+        layerscale_init, mix_post_blocks, norm_scale = spec.layerscale_init, spec.mix_post_blocks, spec.norm_scale
     final_norm, branch_scale = _value(final_norm), _value(branch_scale)
-    layerscale_init, mix_post_blocks = _value(layerscale_init), _value(mix_post_blocks)
+    layerscale_init, mix_post_blocks, norm_scale = _value(layerscale_init), _value(mix_post_blocks), _value(norm_scale)
     validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init,
-                     mix_post_blocks=mix_post_blocks)
+                     mix_post_blocks=mix_post_blocks, norm_scale=norm_scale)
     if isinstance(model._modules.get("ln_lightning_transition"), nn.Module):
         # Mid-transition the blocks compute a blend; rewriting them now would leave it half-undone.
         raise PlacementError(
@@ -310,18 +312,22 @@ def convert(
     with _one_thread():  # the snapshot too: its copies of every module's dicts would set off a full collection
         snapshot = Snapshot(model)
         try:
-            return _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks)
+            return _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks,
+                            norm_scale)
         except BaseException:
             snapshot.restore()  # whatever failed, and wherever: the model is exactly as it was
             raise
 
 
-def _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks=None) -> ConversionReport:
+def _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks=None,
+             norm_scale=None) -> ConversionReport:
     options = {"final_norm": final_norm, "branch_scale": branch_scale, "strict": strict}
     if layerscale_init is not None:
         options["layerscale_init"] = layerscale_init
     if mix_post_blocks is not None:
         options["mix_post_blocks"] = mix_post_blocks
+    if norm_scale is not None:
+        options["norm_scale"] = norm_scale
     report = ConversionReport(model=type(model).__name__, placement=placement, options=options)
     example = example_of(model, example_input)
     found = _discover(model, example)
@@ -358,11 +364,12 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
             if removed:
                 report.removed.append(removed)
                 stack.final_norm = None
+    norm_scaled: list[str] = []  # the blocks LayerNorm Scaling changed (a scale other than 1)
     for stack in found.stacks:
         scales = ScaleFactory(branch_scale, len(stack.handlers), layerscale_init)
         targets = mix_split(placement, len(stack.handlers), mix_post_blocks)
         scales.alpha = deepnorm.deepnorm_alpha(len(stack.handlers))  # placement "deepnorm": DeepNorm's alpha for this stack
-        for h, target in zip(stack.handlers, targets):
+        for index, (h, target) in enumerate(zip(stack.handlers, targets), start=1):
             probe, observed = None, None
             if found.observation is not None:
                 probe = found.observation.inputs.get(id(h.block))
@@ -374,6 +381,8 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
             if change.fallback and strict:
                 raise PlacementError(f"strict conversion: block {h.path} ({change.kind}) can't take branch_scale={branch_scale!r}: "
                                      f"{change.fallback}")
+            if norm_scale is not None and _norm_scale_step(h, index, change, probe, report, strict) not in (None, 1.0):
+                norm_scaled.append(h.path)
         if targets and targets[-1] not in ("post", "deepnorm"):
             _final_norm_step(model, stack, found, final_norm, strict, report, targets)
 
@@ -403,12 +412,23 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     added, removed = ([p for p in paths if (p.rsplit(".", 1)[0] if "." in p else "") not in deepnormed]
                       for paths in (report.added, report.removed))
     report.preserves_function = preserved and not added and not removed
+    if norm_scale is not None and report.changed:
+        # LayerNorm Scaling is a training-dynamics choice: it never keeps a trained function (a 1-block stack aside,
+        # whose scale is 1), whatever the probe measured.
+        scaled = norm_scaled
+        if scaled:
+            report.preserves_function = False
+            report.notes.append(
+                f"norm_scale={norm_scale!r} (LayerNorm Scaling, Sun et al. 2025) multiplies the norm outputs of block l of each "
+                f"stack by 1/sqrt(l) ({len(scaled)} block(s) scaled): a training-dynamics choice that changes what a trained "
+                "model computes, not a rewrite that keeps its function; train or fine-tune after converting")
     if report.changed:
-        _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report)
+        _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report, norm_scale)
     return report
 
 
-def _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report: ConversionReport) -> None:
+def _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report: ConversionReport,
+            norm_scale=None) -> None:
     """Say on the model what it now computes (its RewriteState, ln_lightning.placement.state), so LNPlacement,
     checkpoints and export can tell a converted model from a fresh one. The marker is LNPlacement's to add."""
     previous = rewrite_state.of(model)
@@ -420,6 +440,8 @@ def _record(model, placement, final_norm, branch_scale, layerscale_init, mix_pos
         config["layerscale_init"] = layerscale_init
     if mix_post_blocks is not None:
         config["mix_post_blocks"] = mix_post_blocks
+    if norm_scale is not None:
+        config["norm_scale"] = norm_scale
     converted = [(b.path, b.from_written) for b in report.converted]
     added, derived = list(report.added), dict(report.derived)
     if previous is not None:  # converted again: what the earlier rewrite did is still there
@@ -495,7 +517,9 @@ def _rewrite_and_check(h: Handler, placement: str, scales: ScaleFactory, fresh, 
     block_snapshot = Snapshot(h.block)
     try:
         deepnorm.undo(h)  # a DeepNorm block (to "post" only, see deepnorm_refusal): its linears divided back first
+        removed_scales = ln_scaling.undo(h)  # LayerNorm Scaling's hooks, before the handler moves the norms' hooks
         added, removed = h.to(placement, scales)
+        removed = removed_scales + removed
     except Unrecognised as e:
         block_snapshot.restore()
         change.status, change.reason = "skipped", str(e)
@@ -530,6 +554,35 @@ def _rewrite_and_check(h: Handler, placement: str, scales: ScaleFactory, fresh, 
     change.reference_error = ref_err
     change.output_change = relative_error(_first_tensor(y_after), y_before)
     return True
+
+
+def _norm_scale_step(h: Handler, index: int, change: BlockChange, captured, report: ConversionReport, strict: bool) -> float | None:
+    """LayerNorm Scaling (norm_scale="depth") on the block `h`, at 1-based depth `index` in its stack, once convert
+    made it pre-norm (`ln_scaling.apply`, checked there). A block it can't take it is left as converted, without
+    it, and says so (BlockChange.fallback); one that was pre-norm already is left as it is. Returns the scale
+    applied (None: none)."""
+    if change.status == "already" and change.after == "pre":
+        change.reason = ("already pre-norm: norm_scale not applied (LayerNorm Scaling goes on the blocks convert makes "
+                         "pre-norm; convert to 'post' first to re-convert with it)")
+        return None
+    if change.status != "converted" or change.after != "pre":
+        return None
+    probe = captured if captured is not None else h.probe_args(synthetic_probe(h.block, h.stream_dim())[0][0])
+    shared = {id(v): v for v in (*probe[0], *probe[1].values()) if isinstance(v, torch.Tensor)}
+    fresh = lambda: copy.deepcopy(probe, dict(shared))  # noqa: E731
+    stream = next((a for a in (*probe[0], *probe[1].values()) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    block_snapshot = Snapshot(h.block)
+    try:
+        added = ln_scaling.apply(h, index, fresh, tolerance(stream.dtype if stream is not None else torch.float32))
+    except (Unrecognised, CheckFailed) as e:
+        block_snapshot.restore()
+        change.fallback = f"converted without norm_scale='depth' (LayerNorm Scaling; plain pre-norm): {e}"
+        change.reason = change.fallback
+        if strict:
+            raise PlacementError(f"strict conversion: block {h.path} ({change.kind}) can't take norm_scale='depth': {e}") from None
+        return None
+    report.added.extend(added)
+    return ln_scaling.depth_norm_scale(index)
 
 
 def deepnorm_refusal(h: Handler, before: str, placement: str) -> str | None:

@@ -16,7 +16,8 @@ BRANCH_SCALES = ("None, a positive float c, 'depth' (c = 1/sqrt(2L)), 'layerscal
                  "transition measures from the trained model)")
 
 
-def validate_options(placement="pre", *, final_norm=True, branch_scale=None, strict=False, layerscale_init=None, mix_post_blocks=None) -> None:
+def validate_options(placement="pre", *, final_norm=True, branch_scale=None, strict=False, layerscale_init=None, mix_post_blocks=None,
+                     norm_scale=None) -> None:
     """Raise PlacementError for options `convert` would reject (convert, and LNPlacement at construction)."""
     if placement not in PLACEMENTS:
         raise PlacementError(f"unknown placement {placement!r}; valid placements are {_PLACEMENT_HELP}")
@@ -41,6 +42,23 @@ def validate_options(placement="pre", *, final_norm=True, branch_scale=None, str
                 f"'stream', a transition's measured scales, with 'peri' and 'output' too); use branch_scale=None with "
                 f"placement={placement!r}"
             )
+    if norm_scale is not None:
+        if norm_scale != "depth":
+            raise PlacementError(f"unknown norm_scale {norm_scale!r}; valid values are None and 'depth' (LayerNorm Scaling: "
+                                 "block l's norm outputs times 1/sqrt(l))")
+        if placement not in ("pre", "mix"):
+            raise PlacementError(
+                f"norm_scale='depth' (LayerNorm Scaling) scales the norm a pre-norm branch reads (x + F(LN(x)/sqrt(l))), "
+                f"with placement 'pre' or 'mix'; use one of those, or drop norm_scale with placement={placement!r}")
+        if branch_scale == "depth":
+            raise PlacementError(
+                "norm_scale='depth' (LayerNorm Scaling: 1/sqrt(l) on block l's norm outputs) and branch_scale='depth' "
+                "(c = 1/sqrt(2L) on every branch output) are two depth scalings of the same branches: drop branch_scale "
+                "(or norm_scale)")
+        if branch_scale == "stream":
+            raise PlacementError(
+                "norm_scale='depth' (LayerNorm Scaling) changes the trained function, and branch_scale='stream' is the end "
+                "point of a transition that keeps it: drop branch_scale (and convert without a transition)")
     if layerscale_init is not None:
         if branch_scale != "layerscale":
             raise PlacementError("layerscale_init is only used with branch_scale='layerscale'")

@@ -231,6 +231,11 @@ class PlacementSpec:
         mix_post_blocks: with ``"mix"``, how many leading blocks of each stack stay post-norm (default: a quarter).
         transition: ``None`` (the rewrite takes effect at once), a :class:`TransitionSpec`, or an int ``N``
             (``TransitionSpec(steps=N)``): a function-preserving transition from the trained model to this placement.
+        norm_scale: ``None``, or ``"depth"``: LayerNorm Scaling (Sun et al. 2025, "The Curse of Depth"), each norm
+            output of block ``l`` (1-based, in its stack) times ``1/sqrt(l)``: ``x + F(LN(x)/sqrt(l))``, on the
+            blocks the rewrite makes pre-norm. A training-dynamics choice that changes a trained model's function
+            (so no transition). Not a ``branch_scale`` value: ``branch_scale`` multiplies a branch's output, and
+            ``branch_scale="depth"`` is one constant ``1/sqrt(2L)`` for every block.
     """
 
     placement: str = "pre"
@@ -239,14 +244,20 @@ class PlacementSpec:
     layerscale_init: float | None = None
     mix_post_blocks: int | None = None
     transition: TransitionSpec | int | None = None
+    norm_scale: str | None = None
 
     def __post_init__(self):
         transition = TransitionSpec.coerce(self.transition)
         object.__setattr__(self, "transition", transition)
         validate_options(self.placement, final_norm=self.final_norm, branch_scale=self.branch_scale,
-                         layerscale_init=self.layerscale_init, mix_post_blocks=self.mix_post_blocks)
+                         layerscale_init=self.layerscale_init, mix_post_blocks=self.mix_post_blocks,
+                         norm_scale=self.norm_scale)
         if transition is not None:
             check_target(self.placement)
+            if self.norm_scale is not None:
+                raise PlacementError("norm_scale='depth' (LayerNorm Scaling) changes the trained function, and a transition "
+                                     "keeps it: drop the transition (the scale applies at once, training takes it from "
+                                     "there) or drop norm_scale")
             if self.branch_scale == "stream" and not transition.stream_scale:
                 raise PlacementError("branch_scale='stream' is the stream-scaled transition's end point, and the "
                                      "TransitionSpec asks for stream_scale=False (the plain blend): drop one of the two")
@@ -273,12 +284,15 @@ class PlacementSpec:
             config["layerscale_init"] = self.layerscale_init
         if self.mix_post_blocks is not None:
             config["mix_post_blocks"] = self.mix_post_blocks
+        if self.norm_scale is not None:
+            config["norm_scale"] = self.norm_scale
         return config
 
     @classmethod
     def from_config(cls, config: dict, transition: "TransitionSpec | int | None" = None) -> "PlacementSpec":
         """The spec a serialised ``config`` (a marker's, a checkpoint entry's) describes."""
-        unknown = sorted(set(config) - {"placement", "final_norm", "branch_scale", "layerscale_init", "mix_post_blocks"})
+        unknown = sorted(set(config) - {"placement", "final_norm", "branch_scale", "layerscale_init", "mix_post_blocks",
+                                        "norm_scale"})
         if unknown:
             raise PlacementError(f"a placement record with unknown keys {unknown}: written by a newer ln_lightning? "
                                  "Upgrade ln_lightning to read it")
