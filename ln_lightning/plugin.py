@@ -396,8 +396,8 @@ class LNPlacement(LayerSync, Callback):
     def _check_scale_applies(self, model: nn.Module) -> None:
         # convert scales a branch only when it moves the branch's norm: a block already pre-norm keeps
         # scale 1, which would leave the requested branch_scale silently unapplied there.
-        norm_scale = self.spec.norm_scale  # LayerNorm Scaling goes on the blocks convert makes pre-norm, too
-        if self.placement not in ("pre", "mix") or (self.branch_scale in (None, "stream") and norm_scale is None):
+        # (LayerNorm Scaling, norm_scale, goes on blocks already pre-norm too: it scales a norm's output where it is.)
+        if self.placement not in ("pre", "mix") or self.branch_scale in (None, "stream"):
             return  # ("stream": the transition's own scale; an already-pre block has nothing to blend)
         try:
             stacks = inspect_model(model).stacks
@@ -406,13 +406,6 @@ class LNPlacement(LayerSync, Callback):
         # The blocks the request makes pre-norm ("mix": those after the leading post-norm ones) that already are.
         already = [b.path for s in stacks for b, target in zip(s.blocks, mix_split(self.placement, s.depth, self.mix_post_blocks))
                    if target == "pre" and b.placement == "pre"]
-        if already and norm_scale is not None:
-            raise ValueError(
-                f"LNPlacement: norm_scale={norm_scale!r} (LayerNorm Scaling) can't be applied to {len(already)} block(s) that "
-                f"are already pre-norm ({', '.join(already[:3])}{', ...' if len(already) > 3 else ''}): convert scales a "
-                "block's norms only when it moves them. Drop norm_scale, or convert the model to post-norm first "
-                "(ln_lightning.convert(model, 'post'))."
-            )
         if already:
             raise ValueError(
                 f"LNPlacement: branch_scale={self.branch_scale!r} can't be applied to {len(already)} block(s) that are "

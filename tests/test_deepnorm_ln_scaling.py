@@ -342,12 +342,45 @@ def test_ln_scaling_unknown_value_is_refused():
         PlacementSpec("pre", norm_scale="sqrt")
 
 
-def test_ln_scaling_on_an_already_pre_norm_model_is_refused_by_lnplacement(tmp_path):
-    plugin = LNPlacement(LNS, fused=False, log_report=False)
-    with pytest.raises(ValueError, match="already pre-norm.*Drop norm_scale, or convert the model to post-norm first"):
-        Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
-                plugins=[plugin]).fit(_PreNormEncoder(), h.loader(4))
+def test_ln_scaling_on_a_model_pre_norm_as_built_against_scaled_gains():
+    """GPT-2 as built is pre-norm: LayerNorm Scaling goes on its blocks where they are. Reference: the same model with
+    each block's ln_1 / ln_2 gain and bias multiplied by 1/sqrt(l), by hand (LN(x) s = (w s) x_hat + b s)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=4, n_head=2, vocab_size=100,
+                                                          n_positions=32)).double().eval()
+    reference = copy.deepcopy(gpt2)
+    with torch.no_grad():
+        for l, block in enumerate(reference.h, start=1):
+            for norm in (block.ln_1, block.ln_2):
+                norm.weight.mul_(1 / math.sqrt(l))
+                norm.bias.mul_(1 / math.sqrt(l))
+    report = convert(gpt2, LNS)
+    assert [b.status for b in report.blocks] == ["already"] * 4 and len(report.added) == 8
+    assert "LayerNorm Scaling added" in report.blocks[3].reason and not report.preserves_function
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert _rel(gpt2(ids).last_hidden_state, reference(ids).last_hidden_state) < 1e-12
+    assert LNPlacement.applied_config(gpt2)["norm_scale"] == "depth"
+
+
+def test_lnplacement_puts_ln_scaling_on_a_pre_norm_model(tmp_path):
+    model = _PreNormEncoder()
+    Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+            plugins=[LNPlacement(LNS, fused=False, log_report=False)]).fit(model, h.loader(4))
+    layer = model.encoder.layers[1]
+    assert layer.norm1_norm_scale.c.item() == pytest.approx(1 / math.sqrt(2))
+    x = torch.randn(2, 5, 32)
+    model.eval()
+    with torch.no_grad():
+        got = layer(x)
+        fresh = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True, norm_first=True).eval()
+        fresh.load_state_dict(layer.state_dict())
+        z = fresh.norm1(x) / math.sqrt(2)
+        s = x + fresh.self_attn(z, z, z, need_weights=False)[0]
+        s = s + fresh.linear2(F.relu(fresh.linear1(fresh.norm2(s) / math.sqrt(2))))
+    assert _rel(got, s) < 1e-5
 
 
 def test_ln_scaling_export_is_refused_with_the_reason(tmp_path):

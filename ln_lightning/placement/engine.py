@@ -557,16 +557,14 @@ def _rewrite_and_check(h: Handler, placement: str, scales: ScaleFactory, fresh, 
 
 
 def _norm_scale_step(h: Handler, index: int, change: BlockChange, captured, report: ConversionReport, strict: bool) -> float | None:
-    """LayerNorm Scaling (norm_scale="depth") on the block `h`, at 1-based depth `index` in its stack, once convert
-    made it pre-norm (`ln_scaling.apply`, checked there). A block it can't take it is left as converted, without
-    it, and says so (BlockChange.fallback); one that was pre-norm already is left as it is. Returns the scale
-    applied (None: none)."""
-    if change.status == "already" and change.after == "pre":
-        change.reason = ("already pre-norm: norm_scale not applied (LayerNorm Scaling goes on the blocks convert makes "
-                         "pre-norm; convert to 'post' first to re-convert with it)")
+    """LayerNorm Scaling (norm_scale="depth") on the block `h`, at 1-based depth `index` in its stack, once it is
+    pre-norm: converted now, or pre-norm already (as written: GPT-2, ViT, torch's norm_first layers; or by an earlier
+    rewrite). Checked in `ln_scaling.apply`. A block that can't take it is left pre-norm without it, and says so
+    (BlockChange.fallback). Returns the scale applied (None: none)."""
+    if change.status == "skipped" or change.after != "pre":
         return None
-    if change.status != "converted" or change.after != "pre":
-        return None
+    if ln_scaling.has_norm_scale(h.block):
+        return ln_scaling.depth_norm_scale(index)  # an earlier rewrite gave it the same scale (its stack, its depth)
     probe = captured if captured is not None else h.probe_args(synthetic_probe(h.block, h.stream_dim())[0][0])
     shared = {id(v): v for v in (*probe[0], *probe[1].values()) if isinstance(v, torch.Tensor)}
     fresh = lambda: copy.deepcopy(probe, dict(shared))  # noqa: E731
@@ -576,13 +574,19 @@ def _norm_scale_step(h: Handler, index: int, change: BlockChange, captured, repo
         added = ln_scaling.apply(h, index, fresh, tolerance(stream.dtype if stream is not None else torch.float32))
     except (Unrecognised, CheckFailed) as e:
         block_snapshot.restore()
-        change.fallback = f"converted without norm_scale='depth' (LayerNorm Scaling; plain pre-norm): {e}"
-        change.reason = change.fallback
+        if change.status == "already":
+            change.reason = f"already pre-norm; norm_scale='depth' (LayerNorm Scaling) not applied: {e}"
+        else:
+            change.fallback = f"converted without norm_scale='depth' (LayerNorm Scaling; plain pre-norm): {e}"
+            change.reason = change.fallback
         if strict:
             raise PlacementError(f"strict conversion: block {h.path} ({change.kind}) can't take norm_scale='depth': {e}") from None
         return None
     report.added.extend(added)
-    return ln_scaling.depth_norm_scale(index)
+    value = ln_scaling.depth_norm_scale(index)
+    if change.status == "already":
+        change.reason = f"already pre-norm: LayerNorm Scaling added (its norm outputs times 1/sqrt({index}) = {value:.4g})"
+    return value
 
 
 def deepnorm_refusal(h: Handler, before: str, placement: str) -> str | None:

@@ -18,9 +18,9 @@ block's depth. Through a non-linear branch the two are different functions, and 
 How: a forward hook on each norm a block reads its branches through (`ScaleNormOutput`) multiplies the norm's
 output by a constant (`BranchScale`, a non-persistent buffer: the configuration gives its value). On a norm
 `convert` moved to the branch input (a deferred norm) the hook fires where it really normalises, at the branch
-entries; on torch's layers, where `norm1(x)` is called in their own forward. Like a branch scale, it goes on the
-blocks `convert` makes pre-norm (a block already pre-norm is left as it is, and the report says so). Checked on
-the probe: the block's output equals that of a copy whose norms' gain and bias are multiplied by `1/sqrt(l)` instead
+entries; on a norm called in the block's own forward (GPT-2's `ln_1`, torch's `norm1` with norm_first), where it
+is called. It goes on every block that is pre-norm after the rewrite: those `convert` makes pre-norm and those
+pre-norm already (unlike a branch scale, which needs the norm moved). Checked on the probe: the block's output equals that of a copy whose norms' gain and bias are multiplied by `1/sqrt(l)` instead
 (`LN(x) s = (w s) x_hat + b s`), with no scale anywhere else.
 """
 

@@ -232,8 +232,8 @@ class PlacementSpec:
         transition: ``None`` (the rewrite takes effect at once), a :class:`TransitionSpec`, or an int ``N``
             (``TransitionSpec(steps=N)``): a function-preserving transition from the trained model to this placement.
         norm_scale: ``None``, or ``"depth"``: LayerNorm Scaling (Sun et al. 2025, "The Curse of Depth"), each norm
-            output of block ``l`` (1-based, in its stack) times ``1/sqrt(l)``: ``x + F(LN(x)/sqrt(l))``, on the
-            blocks the rewrite makes pre-norm. A training-dynamics choice that changes a trained model's function
+            output of block ``l`` (1-based, in its stack) times ``1/sqrt(l)``: ``x + F(LN(x)/sqrt(l))``, on every
+            block that is pre-norm after the rewrite (converted, or pre-norm already: GPT-2 as built). A training-dynamics choice that changes a trained model's function
             (so no transition). Not a ``branch_scale`` value: ``branch_scale`` multiplies a branch's output, and
             ``branch_scale="depth"`` is one constant ``1/sqrt(2L)`` for every block.
     """
