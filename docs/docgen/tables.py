@@ -413,7 +413,10 @@ def migrate_suite_needs() -> str:
     order = list(d["models"])
     for r in sorted(rows, key=lambda r: (order.index(r["model"]), r["arm"], r["budget"])):
         tol = r["arm"].rpartition("_t")[2]
-        if "_k" in tol:  # the tolerance that follows the training drift: max(base, k x training drift)
+        if "_L" in tol:  # the loss gate as well: TransitionSpec(tolerance=..., loss_tolerance=...)
+            kl, _, loss = tol.partition("_L")
+            tol = f"{kl}, loss rise {loss}"
+        elif "_k" in tol:  # the tolerance that follows the training drift: max(base, k x training drift)
             base, _, k = tol.partition("_k")
             tol = f"max({base}, {k} x training drift)"
         steps = round(float(r["arm"].split("_S")[1].split("_")[0]) * r["budget"])

@@ -45,10 +45,10 @@ PASS_THROUGH = {
     ("ln_lightning/plugin.py", "_placement_spec"): "LNPlacement's options are checked by `PlacementSpec` (`validate_options`, "
     "and the transition's target by `transition.check_target`): their messages, listed under convert's options, arrive "
     "prefixed `LNPlacement: `.",
-    ("ln_lightning/inspect_cli.py", "error"): "`ln-lightning inspect`'s argument errors are argparse's own messages.",
+    ("ln_lightning/_cli_errors.py", "error"): "`ln-lightning inspect`'s and `ln-lightning export`'s argument errors are "
+    "argparse's own messages.",
     ("ln_lightning/inspect_cli.py", "_load_factory"): "`ln-lightning inspect MODULE:FACTORY`: the factory's own exception, "
     "in one line (`FACTORY() raised TypeError: ...`).",
-    ("ln_lightning/export/cli.py", "error"): "`ln-lightning export`'s argument errors are argparse's own messages.",
     ("ln_lightning/export/cli.py", "_main"): "`ln-lightning export`: `load_converted`'s message about the checkpoint file "
     "(listed under checkpoints and loading), in one line.",
 }
