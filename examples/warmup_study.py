@@ -20,6 +20,8 @@ Run:
     python examples/warmup_study.py              # full: 4 configs x 2 seeds, 400 steps, lr 3e-3 (~12 min on 2 busy cores)
     python examples/warmup_study.py --lr 1e-2    # the same at a learning rate too high for post-norm either way
     python examples/warmup_study.py --quick      # smoke test: tiny model, a few steps, one seed
+    python examples/warmup_study.py --configs post pre pre+lns deepnorm --layers 24 --out outputs/depth_placements
+                                                 # LayerNorm Scaling and DeepNorm against pre- and post-norm at depth
 
 Runs execute as subprocesses, `--jobs` at a time (default 2, one thread each; --quick runs them in-process). Writes into --out
 (default outputs/warmup_study): results.md, results.json, loss_curves.png, grad_norm.png, tb/.
@@ -46,7 +48,12 @@ CONFIGS = {
     "post+warmup": dict(placement="post", warmup=True),
     "pre": dict(placement="pre", warmup=False),
     "pre+warmup": dict(placement="pre", warmup=True),
+    # The depth-aware forms (issue 34; `--configs post pre pre+lns deepnorm`, at depth): LayerNorm Scaling on pre-norm,
+    # PlacementSpec("pre", norm_scale="depth"), and DeepNorm's post-norm, LNPlacement("deepnorm").
+    "pre+lns": dict(placement="pre", norm_scale="depth", warmup=False),
+    "deepnorm": dict(placement="deepnorm", warmup=False),
 }
+WARMUP_CONFIGS = ("post", "post+warmup", "pre", "pre+warmup")  # the default: the warmup claim
 
 FULL = dict(layers=12, d_model=64, heads=4, block_size=32, batch_size=16, steps=400, warmup_steps=100, lr=3e-3, clip=1.0, seeds=2)
 QUICK = dict(layers=12, d_model=32, heads=2, block_size=16, batch_size=4, steps=6, warmup_steps=3, lr=3e-3, clip=1.0, seeds=1)
@@ -64,7 +71,7 @@ def train_one(config: str, seed: int, hp: dict, out: Path) -> dict:
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from ln_lightning import LNPlacement
+    from ln_lightning import LNPlacement, PlacementSpec
     from ln_lightning.callbacks import ClipAttributionMonitor
     from ln_lightning.demo.lightning import CharDataModule, CharLM
 
@@ -80,9 +87,9 @@ def train_one(config: str, seed: int, hp: dict, out: Path) -> dict:
     )
     data = CharDataModule(block_size=hp["block_size"], batch_size=hp["batch_size"], max_chars=300_000)
     plugins = []
-    if spec["placement"] == "pre":
+    if spec["placement"] != "post":
         # fused=False: compare placements only, with the same nn.LayerNorm kernel in every run.
-        plugins.append(LNPlacement("pre", fused=False))
+        plugins.append(LNPlacement(PlacementSpec(spec["placement"], norm_scale=spec.get("norm_scale")), fused=False))
     shutil.rmtree(out / "tb" / run_name(config, seed), ignore_errors=True)  # a rerun must not mix in old events
     logger = TensorBoardLogger(str(out / "tb"), name=run_name(config, seed), version="")
     trainer = L.Trainer(
@@ -165,13 +172,17 @@ def render_markdown(results: dict) -> str:
     """results.md from results.json's content (the docs build renders the results page with this too)."""
     rows, hp, argv, elapsed = results["runs"], results["hparams"], results["argv"], results["elapsed_s"]
     lines = [
-        "# warmup_study: post-norm vs pre-norm (LNPlacement), with and without warmup",
+        "# warmup_study: post-norm vs pre-norm (LNPlacement), with and without warmup" if set(hp.get("configs", WARMUP_CONFIGS)) == set(WARMUP_CONFIGS)
+        else f"# warmup_study at {hp['layers']} layers: {', '.join(hp['configs'])}",
         "",
         f"Command: `python examples/warmup_study.py {' '.join(argv)}` ({elapsed / 60:.1f} min wall, {hp['jobs']} runs at a time, "
         f"one thread each; 0 = in one process). CharLM: {hp['layers']} layers, d_model {hp['d_model']}, {hp['heads']} heads, context {hp['block_size']}, "
         f"batch {hp['batch_size']}, {hp['steps']} steps, AdamW peak lr {hp['lr']}, warmup {hp['warmup_steps']} steps (linear) "
         f"when on, gradient_clip_val {hp['clip']}, seeds {list(range(hp['seeds']))}. Pre-norm runs: "
-        "`LNPlacement('pre', fused=False)` (a final norm added where a stack lacks one). Same initial weights and data order for all configs of a seed.",
+        "`LNPlacement('pre', fused=False)` (a final norm added where a stack lacks one); `pre+lns`: `LNPlacement(PlacementSpec('pre', "
+        "norm_scale='depth'), fused=False)` (LayerNorm Scaling, block l's norm outputs times 1/sqrt(l)); `deepnorm`: "
+        "`LNPlacement('deepnorm', fused=False)` (post-norm with DeepNorm's alpha = (2N)^(1/4) on the stream, the function "
+        "at initialisation unchanged). Same initial weights and data order for all configs of a seed.",
         "",
         "| config | seed | initial loss | final train loss | min loss | val loss | diverged | grad-norm median | max | max/median | clipped steps | dominant group when clipped | top mean shares | s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -186,7 +197,7 @@ def render_markdown(results: dict) -> str:
         )
     lines += ["", "## Mean over seeds", "", "| config | final train loss | rebound (final - lowest 20-step mean) | val loss | diverged runs | max/median grad norm | clipped steps |", "|---|---|---|---|---|---|---|"]
     means = {}
-    for c in CONFIGS:
+    for c in hp.get("configs", WARMUP_CONFIGS):
         rs = [r for r in rows if r["config"] == c]
         if not rs:
             continue
@@ -196,8 +207,9 @@ def render_markdown(results: dict) -> str:
             f"| {c} | {means[c]['final_loss']:.3f} | {means[c]['rebound']:.3f} | {means[c]['val_loss']:.3f} | {means[c]['diverged']}/{len(rs)} | "
             f"{means[c]['grad_norm_spike']:.1f} | {means[c]['clipped_fraction']:.0%} |"
         )
-    if all(c in means for c in CONFIGS):
-        spread = max(float(np.std([r["final_loss"] for r in rows if r["config"] == c])) for c in CONFIGS)
+    lines += _depth_verdict(rows, means, hp)
+    if all(c in means for c in WARMUP_CONFIGS):
+        spread = max(float(np.std([r["final_loss"] for r in rows if r["config"] == c])) for c in WARMUP_CONFIGS)
         tol = max(0.05, 2 * spread)
         gap_post = means["post"]["final_loss"] - means["post+warmup"]["final_loss"]
         gap_pre = means["pre"]["final_loss"] - means["pre+warmup"]["final_loss"]
@@ -230,6 +242,38 @@ def render_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _depth_verdict(rows: list[dict], means: dict, hp: dict) -> list[str]:
+    """The depth-aware forms against the placement each changes (LayerNorm Scaling against pre-norm, DeepNorm against
+    post-norm and pre-norm), per seed, with the same tolerance rule as the warmup claim."""
+    pairs = [(a, b) for a, b in (("pre+lns", "pre"), ("deepnorm", "post"), ("deepnorm", "pre")) if a in means and b in means]
+    if not pairs:
+        return []
+    present = sorted({c for p in pairs for c in p})
+    spread = max(float(np.std([r["final_loss"] for r in rows if r["config"] == c])) for c in present)
+    tol = max(0.05, 2 * spread)
+    out = ["", "## The depth-aware forms, as measured", "",
+           f"At {hp['layers']} layers, {hp['steps']} steps, no warmup. Tolerance for a loss difference: {tol:.3f} (the larger of 0.05 and "
+           "twice the largest seed-to-seed std of the final loss). A form is better (worse) where its final training loss "
+           "is lower (higher) by more than that on every seed.", ""]
+    for a, b in pairs:
+        diffs = []
+        for seed in sorted({r["seed"] for r in rows}):
+            ra = next((r for r in rows if r["config"] == a and r["seed"] == seed), None)
+            rb = next((r for r in rows if r["config"] == b and r["seed"] == seed), None)
+            if ra is not None and rb is not None:
+                diffs.append((seed, ra["final_loss"] - rb["final_loss"], ra["val_loss"] - rb["val_loss"]))
+        if all(d < -tol for _, d, _ in diffs):
+            word = "better"
+        elif all(d > tol for _, d, _ in diffs):
+            word = "worse"
+        else:
+            word = "no difference beyond the tolerance"
+        per_seed = "; ".join(f"seed {s}: train {d:+.3f}, val {v:+.3f}" for s, d, v in diffs)
+        out.append(f"- `{a}` against `{b}`: **{word}** ({per_seed}); diverged {means[a]['diverged']} against {means[b]['diverged']}; "
+                   f"max/median gradient norm {means[a]['grad_norm_spike']:.1f} against {means[b]['grad_norm_spike']:.1f}.")
+    return out
+
+
 def plot(rows: list[dict], all_series: dict, out: Path) -> None:
     from ln_lightning._extras import require
 
@@ -237,7 +281,7 @@ def plot(rows: list[dict], all_series: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"post": "C3", "post+warmup": "C1", "pre": "C0", "pre+warmup": "C2"}
+    colors = {"post": "C3", "post+warmup": "C1", "pre": "C0", "pre+warmup": "C2", "pre+lns": "C4", "deepnorm": "C5"}
     for key, fname, ylabel, log in [("loss", "loss_curves.png", "train/loss", False), ("total_norm", "grad_norm.png", "clip/total_norm (before clipping)", True)]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in rows:
@@ -265,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in FULL.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None, help=f"default {v} (quick: {QUICK[k]})")
     p.add_argument("--val-batches", type=int, default=None, help="validation batches at the end (default 20, quick 0)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
+                   help=f"which configs to run (default: {' '.join(WARMUP_CONFIGS)})")
     p.add_argument("--report-only", action="store_true", help="rebuild results.md and plots from the runs already in --out")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one config
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -273,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     hp = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
     hp["val_batches"] = args.val_batches if args.val_batches is not None else (0 if args.quick else 20)
     hp["jobs"] = args.jobs if args.jobs is not None else (0 if args.quick else 2)
+    hp["configs"] = list(args.configs or WARMUP_CONFIGS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -283,13 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     t0 = time.time()
-    jobs = [(c, s) for s in range(hp["seeds"]) for c in CONFIGS]
+    jobs = [(c, s) for s in range(hp["seeds"]) for c in hp["configs"]]
     forwarded = list(argv)
     pending, running, failed = list(jobs) if hp["jobs"] > 0 and not args.report_only else [], [], []
     if args.report_only:
         previous = json.loads((out / "results.json").read_text())
         hp, t0 = previous["hparams"], time.time() - previous["elapsed_s"]
-        jobs = [(c, s) for s in range(hp["seeds"]) for c in CONFIGS]
+        hp.setdefault("configs", list(WARMUP_CONFIGS))
+        jobs = [(c, s) for s in range(hp["seeds"]) for c in hp["configs"]]
         argv = previous.get("argv", argv)
     elif hp["jobs"] == 0:
         (out / "runs").mkdir(exist_ok=True)

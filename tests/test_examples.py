@@ -76,6 +76,19 @@ def test_layernorm_jacobian_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_warmup_study_depth_aware_configs_quick(tmp_path):
+    """LayerNorm Scaling and DeepNorm through the study's harness: DeepNorm is exact at the switch, so its first logged
+    loss is post-norm's (same seed: same weights and batch); LayerNorm Scaling computes another function than pre-norm."""
+    _example("warmup_study", tmp_path, "--configs", "post", "pre", "pre+lns", "deepnorm")
+    md = _check_outputs(tmp_path, ["loss_curves.png"], min_events=4)
+    runs = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert set(runs) == {"post", "pre", "pre+lns", "deepnorm"}
+    assert runs["deepnorm"]["initial_loss"] == pytest.approx(runs["post"]["initial_loss"], rel=1e-5)
+    assert abs(runs["pre+lns"]["initial_loss"] - runs["pre"]["initial_loss"]) > 1e-4
+    assert "`pre+lns` against `pre`" in md and "`deepnorm` against `post`" in md
+
+
+@pytest.mark.slow
 def test_warmup_study_quick(tmp_path):
     _example("warmup_study", tmp_path)
     md = _check_outputs(tmp_path, ["loss_curves.png", "grad_norm.png"], min_events=4)
