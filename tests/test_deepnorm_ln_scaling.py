@@ -383,15 +383,31 @@ def test_lnplacement_puts_ln_scaling_on_a_pre_norm_model(tmp_path):
     assert _rel(got, s) < 1e-5
 
 
-def test_ln_scaling_export_is_refused_with_the_reason(tmp_path):
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_ln_scaling_exports_and_loads_back(tmp_path, family):
+    """A converted BERT (norms moved to the branch input) and GPT-2 as built (norms where its forward calls them):
+    ln_lightning.from_pretrained and the remote code (trust_remote_code) give the saved function, LN Scaling included."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    bert = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                                          intermediate_size=64, vocab_size=100)).eval()
-    report = convert(bert, LNS)
-    assert len(report.converted) == 2
-    with pytest.raises(PlacementError, match="no remote-code form yet.*load_converted"):
-        ln_lightning.save_pretrained(bert, tmp_path / "bert")
+    if family == "bert":
+        model = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                                               intermediate_size=64, vocab_size=100)).eval()
+    else:
+        model = transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=100,
+                                                               n_positions=32, bos_token_id=0, eos_token_id=0)).eval()
+    unscaled = copy.deepcopy(model)
+    convert(model, LNS if family == "gpt2" else PlacementSpec("pre", final_norm=False, norm_scale="depth"))
+    ln_lightning.save_pretrained(model, tmp_path / family)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(8))
+    loaded = ln_lightning.from_pretrained(tmp_path / family)
+    remote = transformers.AutoModel.from_pretrained(tmp_path / family, trust_remote_code=True).eval()
+    with torch.no_grad():
+        want = model(ids).last_hidden_state
+        assert torch.equal(loaded(ids).last_hidden_state, want)
+        assert torch.equal(remote(ids).last_hidden_state, want)
+        if family == "gpt2":  # the scale is in what was saved: without it the same weights give another function
+            assert _rel(unscaled(ids).last_hidden_state, want) > 1e-2
+    assert LNPlacement.applied_config(loaded)["norm_scale"] == "depth"
 
 
 def _lns_trainer(root, steps, callbacks=()):

@@ -55,13 +55,6 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
     """The plan of `model`'s rewrite. `added`, `derived`: the record's (relative to `model`); `markers`: owner
     path -> marker length; `transition`: the rewrite's transition module (also when it lives outside `model`)."""
     paths = {id(m): p for p, m in model.named_modules()}
-    scaled = [p for p, m in model.named_modules() if ln_scaling.ATTR in m.__dict__]
-    if scaled:
-        raise PlacementError(
-            f"LayerNorm Scaling (norm_scale='depth', on {scaled[0]}{' and others' if len(scaled) > 1 else ''}) has no "
-            "remote-code form yet: the saved directory would load as the model without it. Keep the Lightning checkpoint "
-            "(ln_lightning.load_converted), or save the state_dict and, to load it, build the model and run "
-            "convert(model, PlacementSpec('pre', norm_scale='depth')) before load_state_dict")
     plan: dict = {"deferred": [], "hooks": [], "added": [], "markers": sorted([p, n] for p, n in markers.items()),
                   "transition": transition is not None}
     if transition is not None and len(transition.frozen):
@@ -86,6 +79,10 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
         except AttributeError:
             raise PlacementError(f"{path}, added by the rewrite, is not a module of the model being saved") from None
         plan["added"].append([path, _describe_added(model, path, derived)])
+    for path, m in model.named_modules():  # LayerNorm Scaling: which norm's output which scale multiplies
+        for norm_path, name in m.__dict__.get(ln_scaling.ATTR, []):
+            plan["hooks"].append({"at": _path_of(paths, m.get_submodule(norm_path), "scaled norm"), "type": "norm_scale",
+                                  "scale": _path_of(paths, getattr(m, name), "LayerNorm Scaling scale")})
     taps: dict[int, int] = {}
     for path, m in model.named_modules():
         if isinstance(m, (blend.BlendEncoderLayer, blend.BlendDecoderLayer)):

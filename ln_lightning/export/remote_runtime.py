@@ -36,6 +36,7 @@ SCHEDULES = ("linear", "cosine", "closed")
 SITE = "_ln_lightning_site"  # on a stream-scaled site's norm: its index in the transition's scales
 FINAL = "_ln_lightning_final"  # on an added final norm of a stream-scaled transition: its index
 OUT = "_ln_lightning_site_out"  # on a stream-scaled peri output norm: the index of the site its branch reads
+NORM_SCALE = "_ln_lightning_norm_scale"  # on a deferred norm with LayerNorm Scaling: the scale of its output
 
 
 class Transition(nn.Module):
@@ -108,7 +109,9 @@ class DeferredNorm:
         return t.call_site(x, y, self)
 
     def normalize(self, x):
-        return super().forward(x)
+        y = super().forward(x)
+        scale = self.__dict__.get(NORM_SCALE)  # LayerNorm Scaling: where the norm really normalises
+        return y if scale is None else scale(y)
 
     def __reduce_ex__(self, protocol):
         return _rebuild_deferred, (type(self).__mro__[2], self.__dict__)
@@ -207,6 +210,16 @@ class NormalizeBranchInput:
             if k in kwargs:
                 kwargs[k] = norm_of(kwargs[k])
         return tuple(args), kwargs
+
+
+class ScaleNormOutput:
+    """Hook on a norm the model's own forward calls (pre-norm as built): its output times the LayerNorm Scaling scale."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __call__(self, module, args, output):
+        return self.scale(output)
 
 
 class NormalizeBranchOutput:
@@ -400,6 +413,11 @@ def install(model, plan):
             module.register_forward_hook(ApplyFinalNormAtExit(_get(model, h["norm"]), taps.setdefault(h["tap"], TapStream()), h["stack"]))
         elif kind == "final_at_consumer":
             module.register_forward_pre_hook(ApplyFinalNormAtConsumer(_get(model, h["norm"]), taps.setdefault(h["tap"], TapStream()), h["stack"]), with_kwargs=True)
+        elif kind == "norm_scale":  # LayerNorm Scaling: a deferred norm scales where it normalises, another where called
+            if isinstance(module, DeferredNorm):
+                module.__dict__[NORM_SCALE] = _get(model, h["scale"])
+            else:
+                module.register_forward_hook(ScaleNormOutput(_get(model, h["scale"])))
         else:
             raise ValueError(f"ln_lightning remote code: unknown hook kind {kind!r}; upgrade the remote code")
     return model
