@@ -12,7 +12,6 @@ from ln_lightning.norm import (
     _cpu_kernels,
     _torch_ops,
     functional,
-    functional_rms,
     fused_add_layer_norm,
     fused_add_rms_norm,
 )
@@ -36,7 +35,7 @@ def test_deterministic_across_thread_counts(kind, dtype, kernels, monkeypatch):
     # The weight (and bias) gradients are summed per fixed block of rows, in block order: the same bits for any
     # thread count. (float32 LayerNorm runs aten's kernels, whose weight gradient is not: it is not checked.)
     monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
-    monkeypatch.setattr(functional_rms, "EAGER_COMPOSITE_BELOW", 0)
+    monkeypatch.setattr(functional, "RMS_EAGER_COMPOSITE_BELOW", 0)
     name = "_compiled_backward" if kind == "ln" else "_rms_compiled_backward"
     calls, real = [], getattr(_torch_ops, name)
     monkeypatch.setattr(_torch_ops, name, lambda *a: calls.append(1) or real(*a))

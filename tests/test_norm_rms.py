@@ -19,14 +19,14 @@ from ln_lightning.testing.norm_rms import (
     EPS, RMSCase, assert_each_row_within_torch_error, assert_rows_independent, assert_within_torch_error,
 )
 from ln_lightning.norm import FusedAddRMSNorm, FusedRMSNorm, fused_add_rms_norm, rms_norm, swap_layernorms
-from ln_lightning.norm import _cpu_kernels, _torch_ops, functional_rms
+from ln_lightning.norm import _cpu_kernels, _torch_ops, functional
 
 
 @pytest.fixture(autouse=True)
 def _fused_function_path(monkeypatch):
     # The tests below exercise the fused op even on tiny tensors (the composition used under
-    # functional_rms.EAGER_COMPOSITE_BELOW is covered by the float64 sweep).
-    monkeypatch.setattr(functional_rms, "EAGER_COMPOSITE_BELOW", 0)
+    # functional.RMS_EAGER_COMPOSITE_BELOW is covered by the float64 sweep).
+    monkeypatch.setattr(functional, "RMS_EAGER_COMPOSITE_BELOW", 0)
 
 
 @pytest.fixture(params=["compiled", "aten"])
@@ -58,14 +58,14 @@ def test_matches_float64_within_twice_torch_error(case, cpu_path):
     # composition used for tiny tensors.
     name, calls = cpu_path
     for threshold in (0, 1 << 60):
-        functional_rms.EAGER_COMPOSITE_BELOW = threshold
+        functional.RMS_EAGER_COMPOSITE_BELOW = threshold
         try:
             before = len(calls)
             assert_within_torch_error(case, backend="torch")
             ran_compiled = len(calls) > before
             assert ran_compiled == (threshold == 0 and name == "compiled" and _compiled_expected(case)), (name, case)
         finally:
-            functional_rms.EAGER_COMPOSITE_BELOW = 1 << 13
+            functional.RMS_EAGER_COMPOSITE_BELOW = 1 << 13
 
 
 EDGE = [

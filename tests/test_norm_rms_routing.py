@@ -1,4 +1,4 @@
-"""Which implementation an eager torch-backend fused add + RMSNorm call runs (functional_rms._eager_composite):
+"""Which implementation an eager torch-backend fused add + RMSNorm call runs (functional._rms_eager_composite):
 the compiled CPU kernel where it takes the inputs, else the reference modules' own ops, except float32
 forward+backward, where the custom op's aten composition (one-formula backward) is the faster one.
 Speed: benchmarks/bench_norm.py ("[aten]" rows); here only the routing, and that each route is exact."""
@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ln_lightning.norm import _cpu_kernels, _torch_ops, functional_rms
+from ln_lightning.norm import _cpu_kernels, _torch_ops, functional
 
 
 @pytest.fixture
 def routes(monkeypatch):
     seen = []
-    real_composite, real_impl = functional_rms._composite, _torch_ops.add_rms_norm_impl
-    monkeypatch.setattr(functional_rms, "_composite", lambda *a: seen.append("composite") or real_composite(*a))
+    real_composite = functional._rms_composite
+    monkeypatch.setattr(functional, "_rms_composite", lambda *a: seen.append("composite") or real_composite(*a))
     eager = _torch_ops.add_rms_norm_eager
     monkeypatch.setattr(_torch_ops, "add_rms_norm_eager", lambda *a: seen.append("op") or eager(*a))
     return seen
@@ -26,7 +26,7 @@ def _call(dtype, grad, rows=64, hidden=256):
     x = torch.randn(rows, hidden, generator=g).to(dtype).requires_grad_(grad)
     r = torch.randn(rows, hidden, generator=g).to(dtype).requires_grad_(grad)
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).requires_grad_(grad)
-    y, h = functional_rms.fused_add_rms_norm(x, r, w, 1e-6, cast_order="llama", backend="torch")
+    y, h = functional.fused_add_rms_norm(x, r, w, 1e-6, cast_order="llama", backend="torch")
     hd = (x.double() + r.double())
     ref = w.double() * (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).double()
     tol = 1e-5 if dtype == torch.float32 else 1e-2

@@ -110,10 +110,10 @@ def test_swap_keeps_output_within_twice_float32_rounding_and_swaps_every_rmsnorm
 @pytest.mark.parametrize("path", ["kernel", "composite"])
 @pytest.mark.parametrize("name", MODELS)
 def test_bf16_fused_norms_keep_each_class_cast_order(name, path, monkeypatch):
-    from ln_lightning.norm import functional_rms
+    from ln_lightning.norm import functional
 
     # these tensors are small: force the fused op (the compiled CPU kernel) or the composition
-    monkeypatch.setattr(functional_rms, "EAGER_COMPOSITE_BELOW", 0 if path == "kernel" else 1 << 60)
+    monkeypatch.setattr(functional, "RMS_EAGER_COMPOSITE_BELOW", 0 if path == "kernel" else 1 << 60)
     model = _build(name)
     g = torch.Generator().manual_seed(2)
     for norm_path in _norms(model)[:3]:

@@ -16,9 +16,8 @@ under ``TRITON_INTERPRET=1``); with CUDA and triton installed, the Triton ops re
 """
 
 from ._backend import BACKENDS, norm_backend
-from .functional import fused_add_layer_norm, layer_norm
+from .functional import fused_add_layer_norm, fused_add_rms_norm, layer_norm, rms_norm
 from .modules import FusedAddLayerNorm, FusedLayerNorm
-from .functional_rms import fused_add_rms_norm, rms_norm
 from .kinds import NormSpec, explain_norm, is_norm, recognize_norm, register_norm_class
 from .modules_rms import FusedAddRMSNorm, FusedRMSNorm
 from .swap import SwapReport, swap_layernorms, unswap_layernorms
@@ -33,10 +32,9 @@ def _preload_triton_ops() -> None:
 
     if _backend.TRITON_INSTALLED and torch.cuda.is_available():
         try:
-            from . import _triton_ops, _triton_rms, functional, functional_rms
+            from . import _triton_ops, functional
 
             functional._triton_ops = _triton_ops  # so a compiled trace never reaches the import
-            functional_rms._triton_rms = _triton_rms
         except Exception as exc:  # noqa: BLE001 - the torch backend still works
             import warnings
 

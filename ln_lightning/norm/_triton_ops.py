@@ -1,13 +1,17 @@
-"""The ``triton`` backend: LayerNorm (+ fused residual add) forward and backward kernels.
+"""The ``triton`` backend of both norms: fused residual add + LayerNorm or RMSNorm, forward and backward.
 
 Imported only when the Triton backend is used (never by ``import ln_lightning.norm`` without CUDA).
+One forward and one backward kernel serve both norms, switched by the ``IS_RMS_NORM`` constexpr (as
+flash-attn's ``ops/triton/layer_norm.py``): each kind compiles to its own binary, so the flag costs
+nothing at run time; what differs is the statistics, the input-gradient formula and the weight
+(RMSNorm's ``offset + w`` and cast order, LayerNorm's bias).
 
 Design:
 * Forward: one program per row. Rows up to ``MAX_SINGLE_BLOCK`` wide are held in registers
-  (one read of ``x``/``residual``); wider rows (up to 65536 and beyond) are read in blocks with
-  Chan's parallel-variance merge for the statistics, then re-read (from L2) to normalise.
-  Masked lanes are loaded as 0 *and* excluded from the centred sum of squares, so a
-  non-power-of-two width never pollutes the variance.
+  (one read of ``x``/``residual``); wider rows (up to 65536 and beyond) are read in blocks, then
+  re-read (from L2) to normalise. LayerNorm merges the blocks' statistics with Chan's parallel
+  variance; RMSNorm sums ``h**2`` (a plain sum, no merge needed). Masked lanes are loaded as 0 *and*
+  excluded from LayerNorm's centred sum of squares, so a non-power-of-two width never pollutes it.
 * Statistics, sums and the normalisation run in float32 whatever the input dtype (explicit
   upcasts; the Triton CPU interpreter computes bf16 arithmetic wrongly without them).
   ``rstd`` is ``1 / sqrt(var + eps)`` (``libdevice.rsqrt`` does not run in the interpreter).
@@ -51,6 +55,9 @@ LAUNCH_TUNABLES = (
     "BWD_UNALIGNED_MAX_SINGLE_BLOCK",
 )
 
+# ROUND codes (RMSNorm's cast order, see _common.CAST_ORDERS): 0 none, 1 round n to x's dtype, 2 to the weight's.
+_ROUND_NONE, _ROUND_X, _ROUND_W = 0, 1, 2
+
 
 @triton.jit
 def _cast(v, dtype: tl.constexpr):
@@ -68,11 +75,45 @@ def _cast(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _stream(X, R, H, c, mask, HAS_RESIDUAL: tl.constexpr, STORE_H: tl.constexpr):
+    """``h = x + residual`` for the columns ``c`` in float32, stored when asked; returns exactly
+    the stored value (the residual returned is the one normalised)."""
+    h = tl.load(X + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(R + c, mask=mask, other=0.0).to(tl.float32)
+    if STORE_H:
+        h_stored = _cast(h, H.dtype.element_ty)
+        tl.store(H + c, h_stored, mask=mask)
+        h = h_stored.to(tl.float32)
+    return h
+
+
+@triton.jit
+def _weight(W, c, mask, offset, IS_RMS_NORM: tl.constexpr):
+    """The weight as float32: RMSNorm applies ``offset + w`` (Gemma's ``1 + w``)."""
+    w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS_NORM:
+        w = w + offset
+    return w
+
+
+@triton.jit
+def _round(n, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, ROUND: tl.constexpr):
+    """RMSNorm's cast order: ``n`` rounded to x's or the weight's dtype before the weight multiply."""
+    if ROUND == 1:
+        n = _cast(n, X_DTYPE).to(tl.float32)
+    if ROUND == 2:
+        n = _cast(n, W_DTYPE).to(tl.float32)
+    return n
+
+
+@triton.jit
 def _fwd_kernel(
     X, R, W, B, Y, H, MEAN, RSTD,
     stride_x, stride_r, stride_y, stride_h,
-    N, eps,
-    HAS_RESIDUAL: tl.constexpr, STORE_H: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N, eps, offset,
+    IS_RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_H: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -83,91 +124,144 @@ def _fwd_kernel(
     if STORE_H:
         H += row * stride_h
     cols = tl.arange(0, BLOCK_N)
-    # Statistics are taken of h - shift, shift = the row's first element: exact zeros for a
-    # constant row (so its output is exactly the bias) and less cancellation for large offsets.
-    shift = tl.load(X).to(tl.float32)
-    if HAS_RESIDUAL:
-        shift += tl.load(R).to(tl.float32)
-    if STORE_H:
-        shift = _cast(shift, H.dtype.element_ty).to(tl.float32)
+    if not IS_RMS_NORM:
+        # Statistics are taken of h - shift, shift = the row's first element: exact zeros for a
+        # constant row (so its output is exactly the bias) and less cancellation for large offsets.
+        shift = tl.load(X).to(tl.float32)
+        if HAS_RESIDUAL:
+            shift += tl.load(R).to(tl.float32)
+        if STORE_H:
+            shift = _cast(shift, H.dtype.element_ty).to(tl.float32)
     if SINGLE_BLOCK:
         mask = cols < N
-        h = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            h += tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)
-        if STORE_H:
-            h_stored = _cast(h, H.dtype.element_ty)
-            tl.store(H + cols, h_stored, mask=mask)
-            h = h_stored.to(tl.float32)  # normalise exactly the residual we return
+        h = _stream(X, R, H, cols, mask, HAS_RESIDUAL, STORE_H)
         # weight/bias loads issued before the reductions so their latency overlaps them
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            w = _weight(W, cols, mask, offset, IS_RMS_NORM)
         if HAS_BIAS:
             b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-        d = tl.where(mask, h - shift, 0.0)
-        mean_d = tl.sum(d, axis=0) / N
-        hc = tl.where(mask, d - mean_d, 0.0)
-        var = tl.sum(hc * hc, axis=0) / N
-        rstd = 1.0 / tl.sqrt(var + eps)
-        y = hc * rstd
+        if IS_RMS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+            y = _round(h * rstd, X.dtype.element_ty, W.dtype.element_ty, ROUND)
+        else:
+            d = tl.where(mask, h - shift, 0.0)
+            mean_d = tl.sum(d, axis=0) / N
+            hc = tl.where(mask, d - mean_d, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
+            y = hc * rstd
         if HAS_WEIGHT:
             y = y * w
         if HAS_BIAS:
             y = y + b
         tl.store(Y + cols, _cast(y, Y.dtype.element_ty), mask=mask)
     else:
-        mean_d = tl.zeros((), dtype=tl.float32)  # mean of h - shift
-        m2 = tl.zeros((), dtype=tl.float32)
+        if IS_RMS_NORM:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        else:
+            mean_d = tl.zeros((), dtype=tl.float32)  # mean of h - shift
+            m2 = tl.zeros((), dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             c = start + cols
             mask = c < N
-            h = tl.load(X + c, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                h += tl.load(R + c, mask=mask, other=0.0).to(tl.float32)
-            if STORE_H:
-                h_stored = _cast(h, H.dtype.element_ty)
-                tl.store(H + c, h_stored, mask=mask)
-                h = h_stored.to(tl.float32)
-            # (plain arithmetic, no .to(): the interpreter hands loop indices over as Python ints)
-            n_a = start + 0.0
-            n_b = tl.minimum(N - start, BLOCK_N) + 0.0
-            d = tl.where(mask, h - shift, 0.0)
-            mean_b = tl.sum(d, axis=0) / n_b
-            hc = tl.where(mask, d - mean_b, 0.0)
-            m2_b = tl.sum(hc * hc, axis=0)
-            n = n_a + n_b
-            delta = mean_b - mean_d
-            mean_d = mean_d + delta * (n_b / n)  # Chan et al.: exact merge of block statistics
-            m2 = m2 + m2_b + delta * delta * (n_a * n_b / n)
-        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+            h = _stream(X, R, H, c, mask, HAS_RESIDUAL, STORE_H)
+            if IS_RMS_NORM:
+                acc += h * h
+            else:
+                # (plain arithmetic, no .to(): the interpreter hands loop indices over as Python ints)
+                n_a = start + 0.0
+                n_b = tl.minimum(N - start, BLOCK_N) + 0.0
+                d = tl.where(mask, h - shift, 0.0)
+                mean_b = tl.sum(d, axis=0) / n_b
+                hc = tl.where(mask, d - mean_b, 0.0)
+                m2_b = tl.sum(hc * hc, axis=0)
+                n = n_a + n_b
+                delta = mean_b - mean_d
+                mean_d = mean_d + delta * (n_b / n)  # Chan et al.: exact merge of block statistics
+                m2 = m2 + m2_b + delta * delta * (n_a * n_b / n)
+        if IS_RMS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        else:
+            rstd = 1.0 / tl.sqrt(m2 / N + eps)
         for start in range(0, N, BLOCK_N):
             c = start + cols
             mask = c < N
             if STORE_H:
                 h = tl.load(H + c, mask=mask, other=0.0).to(tl.float32)
             else:
-                h = tl.load(X + c, mask=mask, other=0.0).to(tl.float32)
-                if HAS_RESIDUAL:
-                    h += tl.load(R + c, mask=mask, other=0.0).to(tl.float32)
-            y = ((h - shift) - mean_d) * rstd
+                h = _stream(X, R, H, c, mask, HAS_RESIDUAL, False)
+            if IS_RMS_NORM:
+                y = _round(h * rstd, X.dtype.element_ty, W.dtype.element_ty, ROUND)
+            else:
+                y = ((h - shift) - mean_d) * rstd
             if HAS_WEIGHT:
-                y = y * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                y = y * _weight(W, c, mask, offset, IS_RMS_NORM)
             if HAS_BIAS:
                 y = y + tl.load(B + c, mask=mask, other=0.0).to(tl.float32)
             tl.store(Y + c, _cast(y, Y.dtype.element_ty), mask=mask)
-    # MEAN holds the mean of h - h[0] (see the op docstring): the backward re-derives
-    # h - mean as (h - h[0]) - mean_d, which keeps full precision at large offsets where a
-    # float32 absolute mean (1e4 + x) would be rounded to 1e-3.
-    tl.store(MEAN + row, mean_d)
+    if not IS_RMS_NORM:
+        # MEAN holds the mean of h - h[0] (see _common): the backward re-derives h - mean as
+        # (h - h[0]) - mean_d, which keeps full precision at large offsets where a float32
+        # absolute mean (1e4 + x) would be rounded to 1e-3.
+        tl.store(MEAN + row, mean_d)
     tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _row_stats(H_ROW, MEAN_ROW, IS_RMS_NORM: tl.constexpr):
+    """LayerNorm's ``(h[0], mean of h - h[0])`` for a row: the shift and mean its forward stored (RMSNorm: unused zeros)."""
+    if IS_RMS_NORM:
+        shift = tl.zeros((), dtype=tl.float32)
+        mean_d = tl.zeros((), dtype=tl.float32)
+    else:
+        shift = tl.load(H_ROW).to(tl.float32)
+        mean_d = tl.load(MEAN_ROW).to(tl.float32)
+    return shift, mean_d
+
+
+@triton.jit
+def _normed(h, shift, mean_d, rstd, mask, IS_RMS_NORM: tl.constexpr):
+    """x_hat from the stored statistics: ``h * rstd`` (RMSNorm; masked lanes load as 0), or
+    ``((h - h[0]) - mean_d) * rstd`` (LayerNorm, see the forward's MEAN; masked lanes zeroed)."""
+    if IS_RMS_NORM:
+        xhat = h * rstd
+    else:
+        xhat = tl.where(mask, ((h - shift) - mean_d) * rstd, 0.0)
+    return xhat
+
+
+@triton.jit
+def _layer_norm_dh(g, xhat, rstd, N, eps):
+    """_common.BACKWARD_FORM: dh = rstd * ((g - c2 - q x_hat) + t q x_hat), no cancellation along x_hat."""
+    sxx = tl.sum(xhat * xhat, axis=0)
+    q = tl.sum(xhat * g, axis=0) / tl.where(sxx > 0, sxx, 1.0)
+    c2 = tl.sum(g, axis=0) / N
+    t = eps * rstd * rstd
+    # width 2: g - c2 is all along x_hat (a constant row has t = 1)
+    return tl.where(N == 2, (rstd * t) * (g - c2), (((g - c2) - q * xhat) + (t * q) * xhat) * rstd)
+
+
+@triton.jit
+def _rms_norm_dh(g, h, rstd, N, eps):
+    """_common.RMS_BACKWARD_FORM: dh = rstd * ((g - q n) + t q n), no cancellation along n; and, as in
+    the CPU kernel, q n = (sum(g h) / sum(h h)) h with the sums in float64 and g - q h as two fused
+    multiply-adds by q split into two floats, so that g - q n is rounded about once (issue 32)."""
+    hd = h.to(tl.float64)
+    shh = tl.sum(hd * hd, axis=0)
+    q = tl.sum(g.to(tl.float64) * hd, axis=0) / tl.where(shh > 0, shh, 1.0)
+    q_hi = q.to(tl.float32)
+    q_lo = (q - q_hi.to(tl.float64)).to(tl.float32)
+    t = eps * rstd * rstd
+    perp = tl.fma(-q_lo, h, tl.fma(-q_hi, h, g))
+    return tl.where(N == 1, (rstd * t) * g, (perp + (t * q_hi) * h) * rstd)  # width 1: all along n
 
 
 @triton.jit
 def _bwd_kernel(
     DY, DRES, H, W, MEAN, RSTD, DH, DW_PART, DB_PART,
     stride_dy, stride_dres, stride_h, stride_dh,
-    M, N, eps, rows_per_program,
-    HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    M, N, eps, offset, rows_per_program,
+    IS_RMS_NORM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -178,7 +272,7 @@ def _bwd_kernel(
     if SINGLE_BLOCK:
         mask = cols < N
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            w = _weight(W, cols, mask, offset, IS_RMS_NORM)
         dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for row in range(row_start, row_end):
@@ -187,25 +281,21 @@ def _bwd_kernel(
             dy = tl.load(DY + r64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_DRES:  # issued with the other loads: its latency overlaps the reductions
                 dres = tl.load(DRES + r64 * stride_dres + cols, mask=mask, other=0.0).to(tl.float32)
-            mean_d = tl.load(MEAN + r64).to(tl.float32)
-            shift = tl.load(H + r64 * stride_h).to(tl.float32)
             rstd = tl.load(RSTD + r64).to(tl.float32)
-            xhat = tl.where(mask, ((h - shift) - mean_d) * rstd, 0.0)
+            shift, mean_d = _row_stats(H + r64 * stride_h, MEAN + r64, IS_RMS_NORM)
+            xhat = _normed(h, shift, mean_d, rstd, mask, IS_RMS_NORM)
             if HAS_WEIGHT:
-                wdy = dy * w
+                g = dy * w
             else:
-                wdy = dy
+                g = dy
             if NEED_DW:
                 dw_acc += dy * xhat
             if NEED_DB:
                 db_acc += dy
-            # _common.BACKWARD_FORM: dh = rstd * ((g - c2 - q x_hat) + t q x_hat), no cancellation along x_hat
-            sxx = tl.sum(xhat * xhat, axis=0)
-            q = tl.sum(xhat * wdy, axis=0) / tl.where(sxx > 0, sxx, 1.0)
-            c2 = tl.sum(wdy, axis=0) / N
-            t = eps * rstd * rstd
-            # width 2: g - c2 is all along x_hat (a constant row has t = 1)
-            dh = tl.where(N == 2, (rstd * t) * (wdy - c2), (((wdy - c2) - q * xhat) + (t * q) * xhat) * rstd)
+            if IS_RMS_NORM:
+                dh = _rms_norm_dh(g, h, rstd, N, eps)
+            else:
+                dh = _layer_norm_dh(g, xhat, rstd, N, eps)
             if HAS_DRES:
                 dh += dres
             tl.store(DH + r64 * stride_dh + cols, _cast(dh, DH.dtype.element_ty), mask=mask)
@@ -217,40 +307,51 @@ def _bwd_kernel(
         # The partials rows were zeroed by the host; each program only touches its own row.
         for row in range(row_start, row_end):
             r64 = row
-            mean_d = tl.load(MEAN + r64).to(tl.float32)
-            shift = tl.load(H + r64 * stride_h).to(tl.float32)
             rstd = tl.load(RSTD + r64).to(tl.float32)
-            acc1 = tl.zeros((), dtype=tl.float32)
-            acc2 = tl.zeros((), dtype=tl.float32)
-            acc3 = tl.zeros((), dtype=tl.float32)
+            shift, mean_d = _row_stats(H + r64 * stride_h, MEAN + r64, IS_RMS_NORM)
+            if IS_RMS_NORM:
+                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                acc_nn = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            else:
+                acc1 = tl.zeros((), dtype=tl.float32)
+                acc2 = tl.zeros((), dtype=tl.float32)
+                acc3 = tl.zeros((), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 c = start + cols
                 mask = c < N
                 h = tl.load(H + r64 * stride_h + c, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + r64 * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
-                xhat = tl.where(mask, ((h - shift) - mean_d) * rstd, 0.0)
+                g = tl.load(DY + r64 * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
                 if HAS_WEIGHT:
-                    wdy = dy * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                    g = g * _weight(W, c, mask, offset, IS_RMS_NORM)
+                xhat = _normed(h, shift, mean_d, rstd, mask, IS_RMS_NORM)
+                if IS_RMS_NORM:
+                    acc += g * xhat
+                    acc_nn += xhat * xhat
                 else:
-                    wdy = dy
-                acc1 += tl.sum(xhat * wdy, axis=0)
-                acc2 += tl.sum(wdy, axis=0)
-                acc3 += tl.sum(xhat * xhat, axis=0)
-            # as in the single-block branch (rows this wide always have a perpendicular part)
-            q = acc1 / tl.where(acc3 > 0, acc3, 1.0)
-            c2 = acc2 / N
+                    acc1 += tl.sum(xhat * g, axis=0)
+                    acc2 += tl.sum(g, axis=0)
+                    acc3 += tl.sum(xhat * xhat, axis=0)
+            # the forms of _layer_norm_dh / _rms_norm_dh (rows this wide always have a perpendicular
+            # part); RMSNorm has no mean to subtract (c2 = 0 leaves g exactly as it is)
+            if IS_RMS_NORM:
+                snn = tl.sum(acc_nn, axis=0)
+                q = tl.sum(acc, axis=0) / tl.where(snn > 0, snn, 1.0)
+                c2 = 0.0
+            else:
+                q = acc1 / tl.where(acc3 > 0, acc3, 1.0)
+                c2 = acc2 / N
             tq = eps * rstd * rstd * q
             for start in range(0, N, BLOCK_N):
                 c = start + cols
                 mask = c < N
                 h = tl.load(H + r64 * stride_h + c, mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(DY + r64 * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
-                xhat = tl.where(mask, ((h - shift) - mean_d) * rstd, 0.0)
+                xhat = _normed(h, shift, mean_d, rstd, mask, IS_RMS_NORM)
                 if HAS_WEIGHT:
-                    wdy = dy * tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+                    g = dy * _weight(W, c, mask, offset, IS_RMS_NORM)
                 else:
-                    wdy = dy
-                dh = (((wdy - c2) - q * xhat) + tq * xhat) * rstd
+                    g = dy
+                dh = (((g - c2) - q * xhat) + tq * xhat) * rstd
                 if HAS_DRES:
                     dh += tl.load(DRES + r64 * stride_dres + c, mask=mask, other=0.0).to(tl.float32)
                 tl.store(DH + r64 * stride_dh + c, _cast(dh, DH.dtype.element_ty), mask=mask)
@@ -283,35 +384,40 @@ def _width_bucket(n_cols: int) -> tuple[int, bool]:
 
 
 def forward_launch_config(n_cols: int) -> LaunchConfig:
-    """The forward kernel's launch for rows ``n_cols`` wide (the runtime and the AOT check share it)."""
+    """The forward kernel's launch for rows ``n_cols`` wide, either norm (the runtime and the AOT check share it)."""
     block, single = _width_bucket(n_cols)
     # Liger-Kernel's width heuristic (known-good on H100); GPU sessions can sweep it.
     warps = (16 if block >= 8192 else 8 if block >= 2048 else 4) if single else 8
     return LaunchConfig(block, single, FWD_NUM_WARPS or warps)
 
 
-def backward_launch_config(n_cols: int) -> LaunchConfig:
-    """The backward kernel's launch for rows ``n_cols`` wide (the runtime and the AOT check share it).
+def _backward_warps(block: int, single: bool, rms: bool) -> int:
+    """The backward's warps, per kind: the binaries differ, so each kind's table comes from its own
+    compiled resources (benchmarks/triton_aot.py --subset full, sm_80/sm_90; README "Triton kernels
+    compiled ahead of time").
 
-    Chosen from the compiled resources (``benchmarks/triton_aot.py --subset full``, sm_80/sm_90;
-    README "Triton kernels compiled ahead of time"): the backward keeps about six row-sized float32
-    values per element live, so at 4096 it takes 32 warps (at most 63 registers, 50% occupancy; 8
-    warps needed up to 208, 12%, and spilled once), and at 8192 16 warps (0 spills for widths that
-    are multiples of 16; 32 warps spill). The loop kernel takes 4 warps: 8 and 16 spilled a few
-    bytes in one variant each under Triton's ptxas flags, and with 4 every variant still keeps
-    ``BWD_PROGRAMS_PER_SM`` blocks resident; the bytes in flight per program are set by the block,
-    not the warps.
+    LayerNorm keeps about six row-sized float32 values per element live: 32 warps at 4096 (at most 63
+    registers, 50% occupancy; 8 needed up to 208, 12%, and spilled once), 16 at 8192 (32 spill); its
+    loop kernel takes 4 (8 and 16 spilled a few bytes in one variant each; with 4 every variant still
+    keeps BWD_PROGRAMS_PER_SM blocks resident, the bytes in flight are set by the block). RMSNorm
+    spilled at the forward's warps at 1024 (4), 2048 and 4096 (8): 4 B per thread on sm_80 at 48-64
+    registers; 8 and 16 do not.
     """
+    if not single:
+        return 8 if rms else 4
+    if rms:
+        return 16 if block >= 2048 else 8 if block == 1024 else 4
+    return 32 if block == 4096 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def backward_launch_config(n_cols: int, rms: bool = False) -> LaunchConfig:
+    """The backward kernel's launch for rows ``n_cols`` wide (the runtime and the AOT check share it)."""
     block, single = _width_bucket(n_cols)
     if single and block > BWD_UNALIGNED_MAX_SINGLE_BLOCK and n_cols % 16:
         # Widths that aren't a multiple of 16 get no 16-byte vector loads (one address per element):
         # past this block their row does not fit in registers (spills at 16 and 32 warps).
         block, single = LOOP_BLOCK, False
-    if not single:
-        warps = 4
-    else:
-        warps = 32 if block == 4096 else 16 if block >= 8192 else 8 if block >= 2048 else 4
-    return LaunchConfig(block, single, BWD_NUM_WARPS or warps, BWD_NUM_STAGES)
+    return LaunchConfig(block, single, BWD_NUM_WARPS or _backward_warps(block, single, rms), BWD_NUM_STAGES)
 
 
 @dataclass(frozen=True)
@@ -328,6 +434,9 @@ class KernelLaunch:
     def kwargs(self) -> dict[str, Any]:
         return {**self.constexprs, **self.config.options()}
 
+    def run(self) -> None:
+        wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs())
+
 
 def _num_programs(rows: int, device: torch.device) -> int:
     if device.type == "cuda":
@@ -336,50 +445,100 @@ def _num_programs(rows: int, device: torch.device) -> int:
     return max(1, min(rows, 4))  # the CPU interpreter: few programs, it runs them serially
 
 
-def _check_triton_dtypes(*tensors: Optional[Tensor]) -> None:
+def _check_triton_dtypes(rms: bool, *tensors: Optional[Tensor]) -> None:
     for t in tensors:
         if t is not None and t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            # one literal message per norm: docs/troubleshooting.yml groups them by their text
+            if rms:
+                raise TypeError(f"the Triton RMSNorm kernels take float32/float16/bfloat16, got {t.dtype}")
             raise TypeError(f"the Triton LayerNorm kernels take float32/float16/bfloat16, got {t.dtype}")
 
 
-def plan_forward(
-    x: Tensor,
-    residual: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    eps: float,
-    residual_in_fp32: bool,
-    y_fp32: bool,
-) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Optional[KernelLaunch]]:
-    """The forward's outputs ``(y, h, mean, rstd)`` (allocated, not yet written) and its kernel
-    launch (``None`` when there are no rows)."""
-    _check_triton_dtypes(x, residual)
+def _round_code(x: Tensor, weight: Optional[Tensor], cast: str) -> int:
+    rnd = _common.round_dtype(cast, x.dtype, None if weight is None else weight.dtype)
+    if rnd is None:
+        return _ROUND_NONE
+    return _ROUND_X if rnd == x.dtype else _ROUND_W
+
+
+def _plan_forward(x, residual, weight, bias, eps, residual_in_fp32, ydt, rms, offset, round_code):
+    """Both norms' forward: ``(y, h, mean, rstd)`` allocated (``mean`` empty for RMSNorm) and the launch."""
     rows, n = x.shape
     stored = _common.stores_residual(x, residual, residual_in_fp32)
     rdt = _common.residual_dtype(x, residual, residual_in_fp32)
-    y = torch.empty((rows, n), dtype=_common.output_dtype(x, y_fp32), device=x.device)
+    y = torch.empty((rows, n), dtype=ydt, device=x.device)
     h = torch.empty((rows, n), dtype=rdt, device=x.device) if stored else x.new_empty(0)
-    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+    mean = x.new_empty(0, dtype=torch.float32) if rms else torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return (y, h, mean, rstd), None
     config = forward_launch_config(n)
     # Absent operands get their own empty tensors (never dereferenced): aliasing real ones would
     # confuse torch.compile's analysis of what the kernel reads and writes.
-    r_arg = residual if residual is not None else x.new_empty((0, n))
-    h_arg = h if stored else y.new_empty((0, n))
     args = (
-        x, r_arg, weight if weight is not None else x.new_empty(0), bias if bias is not None else x.new_empty(0),
-        y, h_arg, mean, rstd,
+        x, residual if residual is not None else x.new_empty((0, n)),
+        weight if weight is not None else x.new_empty(0), bias if bias is not None else x.new_empty(0),
+        y, h if stored else y.new_empty((0, n)), mean, rstd,
         x.stride(0), n, y.stride(0), n,
-        n, eps,
+        n, eps, float(offset),
     )
     constexprs = dict(
-        HAS_RESIDUAL=residual is not None, STORE_H=stored,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        IS_RMS_NORM=rms, HAS_RESIDUAL=residual is not None, STORE_H=stored,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ROUND=round_code,
         BLOCK_N=config.block_n, SINGLE_BLOCK=config.single_block,
     )
     return (y, h, mean, rstd), KernelLaunch(_fwd_kernel, (rows,), args, constexprs, config)
+
+
+def _plan_backward(dy, dresidual, h, mean, rstd, weight, need_w, need_b, eps, rms, offset):
+    """Both norms' backward: ``(dh, dweight_partials, dbias_partials)`` allocated and the launch."""
+    rows, n = h.shape
+    dh = torch.empty_like(h)
+    programs = _num_programs(rows, h.device)
+    config = backward_launch_config(n, rms)
+    # float32 partial sums, one row per program; the loop kernel accumulates into them.
+    alloc = torch.empty if config.single_block else torch.zeros
+    empty = h.new_empty(0, dtype=torch.float32)
+    dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_w else empty
+    db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_b else empty.clone()
+    if rows == 0:
+        return (dh, dw_part, db_part), None
+    args = (
+        dy, dresidual if dresidual is not None else dy.new_empty((0, n)), h,
+        weight if weight is not None else h.new_empty(0), mean, rstd,
+        dh, dw_part, db_part,
+        dy.stride(0), n, h.stride(0), dh.stride(0),
+        rows, n, float(eps), float(offset), triton.cdiv(rows, programs),
+    )
+    constexprs = dict(
+        IS_RMS_NORM=rms, HAS_DRES=dresidual is not None, HAS_WEIGHT=weight is not None,
+        NEED_DW=need_w, NEED_DB=need_b,
+        BLOCK_N=config.block_n, SINGLE_BLOCK=config.single_block,
+    )
+    return (dh, dw_part, db_part), KernelLaunch(_bwd_kernel, (programs,), args, constexprs, config)
+
+
+def _finish_backward(dh, dw_part, db_part, launch, weight, bias, need_w, need_b):
+    """Run the planned backward and reduce its partials to ``(dh, dweight, dbias)``."""
+    if launch is not None:
+        launch.run()
+    else:  # no rows: the partials must read as zero
+        dw_part.zero_()
+        db_part.zero_()
+    dw = dw_part.sum(0).to(weight.dtype) if need_w else dh.new_empty(0)
+    db = db_part.sum(0).to(bias.dtype) if need_b else dh.new_empty(0)
+    return dh, dw, db
+
+
+# ----------------------------------------------------------------- LayerNorm (schemas: _common)
+
+def plan_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                 residual_in_fp32: bool, y_fp32: bool) -> tuple[tuple[Tensor, ...], Optional[KernelLaunch]]:
+    """The LayerNorm forward's outputs ``(y, h, mean, rstd)`` (allocated, not yet written) and its
+    kernel launch (``None`` when there are no rows)."""
+    _check_triton_dtypes(False, x, residual)
+    return _plan_forward(x, residual, weight, bias, eps, residual_in_fp32, _common.output_dtype(x, y_fp32),
+                         False, 0.0, _ROUND_NONE)
 
 
 def triton_add_layer_norm_impl(
@@ -393,50 +552,17 @@ def triton_add_layer_norm_impl(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     outputs, launch = plan_forward(x, residual, weight, bias, eps, residual_in_fp32, y_fp32)
     if launch is not None:
-        wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs())
+        launch.run()
     return outputs
 
 
-def plan_backward(
-    dy: Tensor,
-    dresidual: Optional[Tensor],
-    h: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    need_weight_grad: bool,
-    need_bias_grad: bool,
-    eps: float,
-) -> tuple[tuple[Tensor, Tensor, Tensor], Optional[KernelLaunch]]:
-    """The backward's ``(dh, dweight_partials, dbias_partials)`` (allocated, not yet written) and
-    its kernel launch (``None`` when there are no rows)."""
-    rows, n = h.shape
-    need_w = need_weight_grad and weight is not None
-    need_b = need_bias_grad and bias is not None
-    dh = torch.empty_like(h)
-    programs = _num_programs(rows, h.device)
-    config = backward_launch_config(n)
-    # float32 partial sums, one row per program; the loop kernel accumulates into them.
-    alloc = torch.empty if config.single_block else torch.zeros
-    dw_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_w else h.new_empty(0, dtype=torch.float32)
-    db_part = alloc((programs, n), dtype=torch.float32, device=h.device) if need_b else h.new_empty(0, dtype=torch.float32)
-    if rows == 0:
-        return (dh, dw_part, db_part), None
-    rows_per_program = triton.cdiv(rows, programs)
-    dres_arg = dresidual if dresidual is not None else dy.new_empty((0, n))
-    args = (
-        dy, dres_arg, h, weight if weight is not None else h.new_empty(0), mean, rstd,
-        dh, dw_part, db_part,
-        dy.stride(0), n, h.stride(0), dh.stride(0),
-        rows, n, float(eps), rows_per_program,
-    )
-    constexprs = dict(
-        HAS_DRES=dresidual is not None, HAS_WEIGHT=weight is not None,
-        NEED_DW=need_w, NEED_DB=need_b,
-        BLOCK_N=config.block_n, SINGLE_BLOCK=config.single_block,
-    )
-    return (dh, dw_part, db_part), KernelLaunch(_bwd_kernel, (programs,), args, constexprs, config)
+def plan_backward(dy: Tensor, dresidual: Optional[Tensor], h: Tensor, mean: Tensor, rstd: Tensor,
+                  weight: Optional[Tensor], bias: Optional[Tensor], need_weight_grad: bool, need_bias_grad: bool,
+                  eps: float) -> tuple[tuple[Tensor, ...], Optional[KernelLaunch]]:
+    """The LayerNorm backward's ``(dh, dweight_partials, dbias_partials)`` (allocated, not yet
+    written) and its kernel launch (``None`` when there are no rows)."""
+    need_w, need_b = need_weight_grad and weight is not None, need_bias_grad and bias is not None
+    return _plan_backward(dy, dresidual, h, mean, rstd, weight, need_w, need_b, eps, False, 0.0)
 
 
 def triton_add_layer_norm_backward_impl(
@@ -451,19 +577,63 @@ def triton_add_layer_norm_backward_impl(
     need_bias_grad: bool,
     eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    (dh, dw_part, db_part), launch = plan_backward(
-        dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad, eps
-    )
+    outputs, launch = plan_backward(dy, dresidual, h, mean, rstd, weight, bias, need_weight_grad, need_bias_grad, eps)
+    return _finish_backward(*outputs, launch, weight, bias, need_weight_grad and weight is not None,
+                            need_bias_grad and bias is not None)
+
+
+# ------------------------------------------------------------------- RMSNorm (schemas: _common)
+
+def rms_plan_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
+                     residual_in_fp32: bool, offset: float, cast: str) -> tuple[tuple[Tensor, ...], Optional[KernelLaunch]]:
+    """The RMSNorm forward's outputs ``(y, h, rstd)`` (allocated, not yet written) and its kernel
+    launch (``None`` when there are no rows)."""
+    _check_triton_dtypes(True, x, residual, weight)
+    ydt = _common.rms_output_dtype(cast, x.dtype, None if weight is None else weight.dtype)
+    (y, h, _mean, rstd), launch = _plan_forward(x, residual, weight, None, eps, residual_in_fp32, ydt,
+                                                True, offset, _round_code(x, weight, cast))
+    return (y, h, rstd), launch
+
+
+def triton_add_rms_norm_impl(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    eps: float,
+    residual_in_fp32: bool,
+    offset: float,
+    cast: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    outputs, launch = rms_plan_forward(x, residual, weight, eps, residual_in_fp32, offset, cast)
     if launch is not None:
-        wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs())
-    else:  # no rows: the partials must read as zero
-        dw_part.zero_()
-        db_part.zero_()
+        launch.run()
+    return outputs
+
+
+def rms_plan_backward(dy: Tensor, dresidual: Optional[Tensor], h: Tensor, rstd: Tensor, weight: Optional[Tensor],
+                      offset: float, need_weight_grad: bool, eps: float) -> tuple[tuple[Tensor, ...], Optional[KernelLaunch]]:
+    """The RMSNorm backward's ``(dh, dweight_partials)`` (allocated, not yet written) and its kernel
+    launch (``None`` when there are no rows)."""
     need_w = need_weight_grad and weight is not None
-    need_b = need_bias_grad and bias is not None
-    dw = dw_part.sum(0).to(weight.dtype) if need_w else h.new_empty(0)
-    db = db_part.sum(0).to(bias.dtype) if need_b else h.new_empty(0)
-    return dh, dw, db
+    (dh, dw_part, _), launch = _plan_backward(dy, dresidual, h, h.new_empty(0, dtype=torch.float32), rstd, weight,
+                                              need_w, False, eps, True, offset)
+    return (dh, dw_part), launch
+
+
+def triton_add_rms_norm_backward_impl(
+    dy: Tensor,
+    dresidual: Optional[Tensor],
+    h: Tensor,
+    rstd: Tensor,
+    weight: Optional[Tensor],
+    offset: float,
+    need_weight_grad: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    (dh, dw_part), launch = rms_plan_backward(dy, dresidual, h, rstd, weight, offset, need_weight_grad, eps)
+    dh, dw, _ = _finish_backward(dh, dw_part, dh.new_empty(0, dtype=torch.float32), launch, weight, None,
+                                 need_weight_grad and weight is not None, False)
+    return dh, dw
 
 
 # triton_op: torch.compile sees through to the kernels (and uses the impl as the fake kernel).
@@ -473,3 +643,12 @@ triton_add_layer_norm_backward = triton_op(
 )
 _common.register_autograd(triton_add_layer_norm, triton_add_layer_norm_backward)
 triton_add_layer_norm_eager = _common.eager_function(triton_add_layer_norm_impl, triton_add_layer_norm_backward_impl)
+
+triton_add_rms_norm = triton_op(f"{_common.OPS}::triton_add_rms_norm", triton_add_rms_norm_impl, mutates_args=())
+triton_add_rms_norm_backward = triton_op(
+    f"{_common.OPS}::triton_add_rms_norm_backward", triton_add_rms_norm_backward_impl, mutates_args=()
+)
+_common.register_autograd(triton_add_rms_norm, triton_add_rms_norm_backward, rms=True)
+triton_add_rms_norm_eager = _common.eager_function(
+    triton_add_rms_norm_impl, triton_add_rms_norm_backward_impl, rms=True
+)

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _backend, _common, functional_rms
-from .functional_rms import fused_add_rms_norm
+from . import _backend, _common, functional
+from .functional import fused_add_rms_norm
 
 
 class FusedRMSNorm(nn.RMSNorm):
@@ -52,7 +52,7 @@ class FusedRMSNorm(nn.RMSNorm):
         if (
             not self.weight_offset and self.cast_order == "fp32"
             and (name in ("torch", "cpu") or (name == "auto" and not input.is_cuda))
-            and input.numel() < functional_rms.EAGER_COMPOSITE_BELOW and not torch.compiler.is_compiling()
+            and input.numel() < functional.RMS_EAGER_COMPOSITE_BELOW and not torch.compiler.is_compiling()
         ):
             return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
         return fused_add_rms_norm(
