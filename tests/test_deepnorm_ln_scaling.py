@@ -133,6 +133,23 @@ def test_deepnorm_on_a_hugging_face_bert_and_its_export(tmp_path):
         assert torch.equal(loaded(ids).last_hidden_state, got)
 
 
+def test_deepnorm_on_bart_whose_branch_ends_in_its_linear():
+    """BART's fc2 is its branch's exit (the dropout is a function): the 1/alpha hook and the folded weight sit on one
+    module. Each stack (encoder, decoder: 2 blocks) gets its own alpha."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bart = transformers.BartModel(transformers.BartConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100, max_position_embeddings=64)).eval()
+    original = copy.deepcopy(bart)
+    report = convert(bart, "deepnorm")
+    assert len(report.converted) == 4 and report.preserves_function, str(report)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert _rel(bart(ids).last_hidden_state, original(ids).last_hidden_state) < 1e-5
+    torch.testing.assert_close(bart.decoder.layers[1].fc2.weight, 4 ** 0.25 * original.decoder.layers[1].fc2.weight)
+
+
 def test_deepnorm_back_to_post_is_the_model_as_written():
     model = _lm()
     ref = copy.deepcopy(model)

@@ -124,7 +124,8 @@ def _refuse_shared(h, root: nn.Module | None, linear: nn.Linear, path: str) -> N
 def _run(h, fresh, paths) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
     """The block's stream output on a fresh probe, and the outputs of the modules at `paths` in that forward."""
     got: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
-    handles = [h.block.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: got[p].append(o.detach()))
+    # Prepended: a linear that is its branch's exit too (BART's fc2) carries the 1/alpha hook, which runs after.
+    handles = [h.block.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: got[p].append(o.detach()), prepend=True)
                for p in paths]
     try:
         args, kwargs = fresh()
