@@ -115,6 +115,45 @@ def test_to_rmsnorm_vit_is_exact():
     assert "embeddings.patch_embeddings.projection.weight" in report.changed_parameters  # a Conv2d writer
 
 
+def test_to_rmsnorm_opt_learned_positions_are_a_centrable_writer():
+    """OPT's learned positions are an Embedding subclass whose forward adds an offset to the positions before its
+    lookup; what it writes is still rows of its own weight, so centring them is exact (it was refused: "`embedding`
+    writes into it, and only what ... Embedding ... writes is centred"). Checked on the example input and on a
+    longer one (other positions) against the model as built."""
+    torch.manual_seed(0)
+    cfg = T.OPTConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                      max_position_embeddings=32, word_embed_proj_dim=32, do_layer_norm_before=True)
+    model = randomise(T.OPTForCausalLM(cfg))
+    ref = copy.deepcopy(model)
+    x = {"input_ids": torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(1))}
+    report = to_rmsnorm(model, x, untie=True)
+    _check(model, ref, x, report, lambda o: o.logits, expect="to_rmsnorm")
+    longer = {"input_ids": torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(2))}
+    _check(model, ref, longer, report, lambda o: o.logits)
+    assert model.model.decoder.embed_positions.weight.mean(1).abs().max() < 1e-6
+
+
+def test_an_embedding_that_rescales_its_weight_is_not_a_centred_writer():
+    """A subclass that looks up a function of its weight (here 2 x weight, a tensor that is not the parameter): the
+    rows it writes are not rows of the parameter it would centre, so the norm it feeds is refused."""
+
+    class Doubled(nn.Embedding):
+        def forward(self, ids):
+            return nn.functional.embedding(ids, 2 * self.weight)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.ln, self.head = Doubled(50, 32), nn.LayerNorm(32), nn.Linear(32, 50)
+
+        def forward(self, ids):
+            return self.head(self.ln(self.emb(ids)))
+
+    model = randomise(Model())
+    report = to_rmsnorm(model, torch.randint(0, 50, (2, 8)))
+    assert [n.action for n in report.norms] == ["refused"], str(report)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_to_rmsnorm_demo_lm_after_convert_is_exact(fused):
     model, x = demo_pre()

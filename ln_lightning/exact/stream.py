@@ -73,6 +73,21 @@ def _writer_op(e: Event, module: nn.Module) -> str | None:
     return None
 
 
+def _writer_kind(e: Event, module: nn.Module, rec) -> str | None:
+    kind = _writer_op(e, module)
+    return "embedding" if kind is None and _looks_up_own_weight(e, module, rec) else kind
+
+
+def _looks_up_own_weight(e: Event, module: nn.Module | None, rec) -> bool:
+    """An Embedding subclass whose forward computes its indices itself (OPT's learned positions add an offset) and
+    looks them up in its own weight: what it writes is rows of that weight, as the plain module's is."""
+    if e.name != "embedding" or not isinstance(module, nn.Embedding):
+        return False
+    w = e.input_value(("arg", 1))
+    w = w if w is not None else e.input_value(("kwarg", "weight"))
+    return w is not None and rec.values[w].tensor is module.weight
+
+
 def _feature_dim(kind: str, module: nn.Module, out: torch.Tensor) -> int:
     """The output dimension a writer's features are on, as a negative index."""
     if kind == "conv":
@@ -96,7 +111,7 @@ def writer_of(t: Traced, v: int, fd: int) -> tuple[Writer | None, str]:
     if not e.frames:
         return None, ""
     call = rec.events[e.frames[-1]]
-    kind = _writer_op(e, call.module) if call.module is not None else None
+    kind = _writer_kind(e, call.module, rec) if call.module is not None else None
     if kind is None:
         return None, ""
     if parametrize.is_parametrized(call.module):
@@ -148,7 +163,7 @@ def _start_values(t: Traced, w: Writer) -> list[tuple[int, int]]:
     out = []
     for call in t.rec.module_calls(w.module):
         for e in t.rec.within(call):
-            if e.kind == "function" and e.frames and e.frames[-1] == call.index and _writer_op(e, w.module) == w.kind:
+            if e.kind == "function" and e.frames and e.frames[-1] == call.index and _writer_kind(e, w.module, t.rec) == w.kind:
                 v = e.outputs[0][1]
                 out.append((v, _feature_dim(w.kind, w.module, t.value(v))))
     return out
