@@ -1,14 +1,19 @@
-"""Hypothesis strategies for the fused-norm tests: random :class:`Case` / :class:`RMSCase` tables.
+"""What the fused-norm tests share: Hypothesis strategies for random :class:`Case` / :class:`RMSCase` tables,
+and the compiled CPU kernels (built, or the test skipped; a failure in CI).
 
-Kept in tests/ (hypothesis is a test dependency); the cases themselves and the float64 references
-are in :mod:`ln_lightning.testing.norm` / :mod:`ln_lightning.testing.norm_rms`.
+Kept in tests/ (hypothesis and pytest are test dependencies); the cases themselves and the float64
+references are in :mod:`ln_lightning.testing.norm` / :mod:`ln_lightning.testing.norm_rms`.
 """
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 from hypothesis import strategies as st
 
+from ln_lightning.norm import _cpu_kernels
 from ln_lightning.testing.norm import Case
 from ln_lightning.testing.norm_rms import RMSCase
 
@@ -35,3 +40,13 @@ def cases(draw, max_rows: int = 8, max_hidden: int = 300, dtypes=DTYPES):
 def rms_cases(draw, max_rows: int = 8, max_hidden: int = 300, dtypes=DTYPES):
     base = draw(cases(max_rows=max_rows, max_hidden=max_hidden, dtypes=dtypes))
     return RMSCase(base, draw(st.sampled_from(["fp32", "llama", "t5"])), draw(st.booleans()))
+
+
+def compiled_cpu_kernels():
+    """The compiled CPU kernels' module; CI must be able to build it (it installs g++ and ninja)."""
+    mod = _cpu_kernels.KERNELS.module()
+    if mod is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the compiled CPU kernels did not build in CI: {_cpu_kernels.KERNELS.failure}")
+        pytest.skip(f"compiled CPU kernels unavailable: {_cpu_kernels.KERNELS.failure}")
+    return mod

@@ -1,13 +1,13 @@
-"""Fused LayerNorm on the torch (CPU) backend: numerics, modules, state_dict, swap, compile.
+"""Fused LayerNorm on the torch (CPU) backend: numerics, modules, state_dict, swap.
 
-The Triton kernels are tested under the interpreter in tests/test_norm_triton.py.
+The Triton kernels are tested under the interpreter in tests/test_norm_triton.py; the ops' opcheck and
+torch.compile, for both norms, in tests/test_norm_compile.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from torch import nn
 
-from _helpers_norm_cases import cases
+from _helpers_norm_cases import cases, compiled_cpu_kernels
 from ln_lightning.testing.norm import (
     Case, assert_narrow_rows_accurate, assert_rows_independent, assert_within_torch_error, layer_norm_formula,
 )
@@ -76,21 +76,11 @@ def test_edge_cases(case, via_aten, eager_path, monkeypatch):
 
 # --------------------------------------------------------------------------- compiled CPU kernels
 
-def _compiled_cpu_kernels():
-    """The compiled bfloat16 CPU module; CI must be able to build it (it installs g++ and ninja)."""
-    mod = _cpu_kernels.KERNELS.module()
-    if mod is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"the compiled CPU kernels did not build in CI: {_cpu_kernels.KERNELS.failure}")
-        pytest.skip(f"compiled CPU kernels unavailable: {_cpu_kernels.KERNELS.failure}")
-    return mod
-
-
 @pytest.fixture
 def compiled_backward_calls(monkeypatch):
     """The compiled kernels, built (or the test skipped), and a list that grows by one per
     compiled backward pass: proof that a test's computation actually ran on them."""
-    _compiled_cpu_kernels()
+    compiled_cpu_kernels()
     calls = []
     real = _torch_ops._compiled_backward
     monkeypatch.setattr(_torch_ops, "_compiled_backward", lambda *a: calls.append(1) or real(*a))
@@ -119,7 +109,7 @@ def torch_path(request, monkeypatch):
         monkeypatch.setattr(functional, "PLAIN_LAYER_NORM_VIA_ATEN", False)
         monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 1 << 60 if path == "composite" else 0)
     if path == "compiled":
-        _compiled_cpu_kernels()
+        compiled_cpu_kernels()
         for name, tag in (("_compiled_forward", "forward"), ("_compiled_backward", "backward")):
             real = getattr(_torch_ops, name)
             monkeypatch.setattr(_torch_ops, name, lambda *a, _real=real, _tag=tag: calls.append(_tag) or _real(*a))
@@ -200,7 +190,7 @@ def test_compiled_cpu_kernels_weight_gradient_is_float32_accurate(monkeypatch):
     # aten's bfloat16 CPU kernel loses most of the weight gradient's precision over many rows;
     # the compiled kernel accumulates in float32. Independent reference: float64 autograd on the
     # same bfloat16 stream h (the input both kernels normalise).
-    _compiled_cpu_kernels()
+    compiled_cpu_kernels()
     monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
     g = torch.Generator().manual_seed(0)
     rows, hidden = 2048, 256
@@ -327,7 +317,7 @@ def test_cpu_kernels_env_switch_disables_without_warning(monkeypatch):
 
 
 def test_cpu_kernels_switched_off_for_a_block_and_back():
-    mod = _compiled_cpu_kernels()
+    mod = compiled_cpu_kernels()
     with _cpu_kernels.KERNELS.disabled():
         assert _cpu_kernels.KERNELS.module() is None and "disabled()" in _cpu_kernels.KERNELS.failure
         assert not functional.uses_compiled_cpu_kernels(torch.zeros(1 << 16, dtype=torch.bfloat16))
@@ -554,69 +544,12 @@ def test_import_needs_neither_triton_nor_cuda():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
 
 
-# --------------------------------------------------------------------------- torch.compile
-
-class _PreNormBlock(nn.Module):
-    def __init__(self, d=32):
-        super().__init__()
-        self.ln1 = FusedLayerNorm(d)
-        self.fc1 = nn.Linear(d, d)
-        self.add_norm = FusedAddLayerNorm(d)
-        self.fc2 = nn.Linear(d, d)
-
-    def forward(self, stream):
-        branch = self.fc1(self.ln1(stream))
-        normed, stream = self.add_norm(branch, stream)
-        return stream + self.fc2(normed)
-
-
-@pytest.mark.slow
-def test_torch_compile_fullgraph_no_graph_break():
-    torch.manual_seed(0)
-    block = _PreNormBlock()
-    x = torch.randn(4, 5, 32, requires_grad=True)
-    explanation = torch._dynamo.explain(block)(x)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    out = compiled(x)
-    gc = torch.autograd.grad(out.sum(), [x, block.add_norm.weight])
-    ref = block(x)
-    gr = torch.autograd.grad(ref.sum(), [x, block.add_norm.weight])
-    torch.testing.assert_close(out, ref)
-    for a, b in zip(gc, gr):
-        torch.testing.assert_close(a, b)
-
-
-@pytest.mark.slow
-def test_torch_compile_inductor_matches_eager():
-    torch.manual_seed(0)
-    block = _PreNormBlock()
-    x = torch.randn(4, 5, 32, requires_grad=True)
-    compiled = torch.compile(block, fullgraph=True)  # inductor: needs a C++ compiler on CPU
-    out = compiled(x)
-    got = torch.autograd.grad(out.sum(), [x, block.add_norm.weight, block.ln1.bias])
-    ref = block(x)
-    want = torch.autograd.grad(ref.sum(), [x, block.add_norm.weight, block.ln1.bias])
-    torch.testing.assert_close(out, ref)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
-
-
 @pytest.mark.parametrize("torch_path", ["shortcut", "composite", "function"], indirect=True)
 def test_functional_layer_norm_matches_the_formula(torch_path):
     x = torch.randn(3, 4, 10, dtype=torch.float64)
     w, b = torch.randn(4, 10, dtype=torch.float64), torch.randn(4, 10, dtype=torch.float64)
     torch.testing.assert_close(layer_norm(x, (4, 10), w, b, 1e-3), layer_norm_formula(x, (4, 10), w, b, 1e-3))
     torch.testing.assert_close(layer_norm(x, 10), layer_norm_formula(x, (10,)))
-
-
-def test_custom_ops_pass_opcheck():
-    from ln_lightning.norm import _torch_ops
-
-    x, r, w, b = torch.randn(3, 10), torch.randn(3, 10), torch.randn(10), torch.randn(10)
-    for args in ((x, r, w, b, 1e-5, False, False), (x.bfloat16(), None, w, None, 1e-5, True, False)):
-        args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
-        torch.library.opcheck(_torch_ops.add_layer_norm, args)
 
 
 # --------------------------------------------------------------------------- swap

@@ -3,13 +3,11 @@ parametrised over LayerNorm and RMSNorm. Numerics against float64: test_norm.py 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from _helpers_norm_cases import compiled_cpu_kernels
 from ln_lightning.norm import (
-    _cpu_kernels,
     _torch_ops,
     functional,
     fused_add_layer_norm,
@@ -21,13 +19,8 @@ KINDS = ["ln", "rms"]
 
 @pytest.fixture
 def kernels():
-    """The compiled module; CI must be able to build it (it installs g++ and ninja)."""
-    mod = _cpu_kernels.KERNELS.module()
-    if mod is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"the compiled CPU kernels did not build in CI: {_cpu_kernels.KERNELS.failure}")
-        pytest.skip(f"compiled CPU kernels unavailable: {_cpu_kernels.KERNELS.failure}")
-    return mod
+    """The compiled module (CI must be able to build it)."""
+    return compiled_cpu_kernels()
 
 
 @pytest.mark.parametrize(("kind", "dtype"), [("ln", torch.bfloat16), ("rms", torch.bfloat16), ("rms", torch.float32)])

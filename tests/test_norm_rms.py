@@ -1,6 +1,6 @@
 """Fused RMSNorm on the torch backend (compiled CPU kernels and the aten composition): numerics
-against float64, cast orders, modules, custom ops and torch.compile. Triton: test_norm_rms_triton.py;
-recognition: test_norm_kinds.py; swapping HF models: test_norm_rms_swap.py."""
+against float64, cast orders, modules. Triton (both norms): test_norm_triton.py; the ops' opcheck and
+torch.compile: test_norm_compile.py; recognition: test_norm_kinds.py; swapping HF models: test_norm_rms_swap.py."""
 
 from __future__ import annotations
 
@@ -210,45 +210,6 @@ def test_bad_inputs_get_clear_errors():
     if not x.is_cuda:  # CPU tensors: a forced Triton backend raises instead of falling back
         with pytest.raises(RuntimeError, match="'triton' was requested"):
             fused_add_rms_norm(x, None, None, backend="triton")
-
-
-def test_custom_ops_pass_opcheck():
-    x, r, w = torch.randn(3, 10), torch.randn(3, 10), torch.randn(10)
-    for args in ((x, r, w, 1e-5, False, 0.0, "fp32"), (x.bfloat16(), None, w.bfloat16(), 1e-5, True, 1.0, "llama"),
-                 (x.half(), r.half(), w, 1e-5, False, 0.0, "t5")):
-        args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
-        torch.library.opcheck(_torch_ops.add_rms_norm, args)
-
-
-class _PreNormRMSBlock(nn.Module):
-    def __init__(self, d=32):
-        super().__init__()
-        self.n1 = FusedRMSNorm(d, eps=1e-6)
-        self.fc1 = nn.Linear(d, d)
-        self.add_norm = FusedAddRMSNorm(d, eps=1e-6, weight_offset=1.0)
-        self.fc2 = nn.Linear(d, d)
-
-    def forward(self, stream):
-        branch = self.fc1(self.n1(stream))
-        normed, stream = self.add_norm(branch, stream)
-        return stream + self.fc2(normed)
-
-
-@pytest.mark.slow
-def test_torch_compile_fullgraph_no_graph_break():
-    torch.manual_seed(0)
-    block = _PreNormRMSBlock()
-    x = torch.randn(4, 5, 32, requires_grad=True)
-    explanation = torch._dynamo.explain(block)(x)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    out = compiled(x)
-    gc = torch.autograd.grad(out.sum(), [x, block.add_norm.weight])
-    ref = block(x)
-    gr = torch.autograd.grad(ref.sum(), [x, block.add_norm.weight])
-    torch.testing.assert_close(out, ref)
-    for a, b in zip(gc, gr):
-        torch.testing.assert_close(a, b)
 
 
 class _PostNormRMSBlock(nn.Module):
