@@ -32,7 +32,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ln_lightning.demo import PostNormTransformerLM
-from ln_lightning.placement import convert, transition
+from ln_lightning.placement import convert
+from ln_lightning.placement.migrate import transition
 
 
 class TorchEncoderLM(nn.Module):
@@ -49,7 +50,7 @@ class TorchEncoderLM(nn.Module):
 
 def arms(model: nn.Module, example) -> dict[str, tuple[nn.Module, nn.Module | None]]:
     """name -> (model, teacher or None): the same weights in every arm."""
-    from ln_lightning.placement.teacher import frozen_copy
+    from ln_lightning.placement.migrate.teacher import frozen_copy
 
     plain = copy.deepcopy(model)
     convert(plain, "pre", example_input=example)
@@ -81,7 +82,7 @@ def arms(model: nn.Module, example) -> dict[str, tuple[nn.Module, nn.Module | No
 
 
 def make_step(model: nn.Module, x: torch.Tensor, teacher: nn.Module | None = None):
-    from ln_lightning.placement.teacher import kl_to_teacher, trained_output
+    from ln_lightning.placement.migrate.teacher import kl_to_teacher, trained_output
 
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every arm stays at its blend's weights
     y = torch.roll(x, -1, dims=1)

@@ -377,7 +377,7 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.loggers import Logger
 
-    from ln_lightning.placement import transition
+    from ln_lightning.placement.migrate import transition
 
     sm = _suite()
     m = sm.SUITE[model_name]

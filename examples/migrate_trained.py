@@ -260,7 +260,7 @@ def train_one(job: str, seed: int, hp: dict, out: Path) -> dict:
     from ln_lightning import LNPlacement
     from ln_lightning.callbacks import ClipAttributionMonitor, StreamNormMonitor
     from ln_lightning.demo.lightning import CharDataModule
-    from ln_lightning.placement import transition
+    from ln_lightning.placement.migrate import transition
     from migrate_trained_methods import UNITS_BWD, UNITS_FWD, make_callback
     from migrate_trained_why import save_end_state
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ln_lightning.placement import transition
+from ln_lightning.placement.migrate import transition
 from migrate_trained_methods import StreamScaledBlend, converted_scales, init_output_norms, kl_to_teacher, measure_scales
 
 VARIANTS = {"plain, trained final norm": dict(scaled=False, fresh=False),

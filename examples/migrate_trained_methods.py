@@ -10,7 +10,7 @@ added parameters starting fresh.
 What a method decides is the blend of each optimizer step (`blend.active(model).blend`, set in
 place on the device: no host synchronisation) and, for some, an extra loss term. The stream-scaled blend
 (`StreamScaledBlend`) changes the blend's formulas; it was prototyped here, before it became the plugin's
-default (placement/blend.py), by switching the transition's hook objects to subclasses and giving each
+default (placement/migrate/blend.py), by switching the transition's hook objects to subclasses and giving each
 deferred norm its own call-site object; `remove()` undoes that before `transition.finish`. The study keeps
 the prototypes so that its rows can be run again as they were measured.
 """
@@ -24,10 +24,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ln_lightning.placement import blend, hooks, transition
-from ln_lightning.placement.stream_scale import cumulative_scales, site_ratios
-from ln_lightning.placement.teacher import kl_to_teacher  # (re-exported for migrate_trained_drift)
-from ln_lightning.placement.transition_control import BlendPlan, DriftBudgetController, FunctionSpeedSchedule
+from ln_lightning.placement.migrate import blend, transition
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.rewrite.stream_scale import cumulative_scales, site_ratios
+from ln_lightning.placement.migrate.teacher import kl_to_teacher  # (re-exported for migrate_trained_drift)
+from ln_lightning.placement.migrate.transition_control import BlendPlan, DriftBudgetController, FunctionSpeedSchedule
 
 ATTR = blend.ATTR
 
@@ -120,7 +121,7 @@ class StreamScaledBlend:
     pre-norm model with per-branch scales. (The (1-a) terms are an exact reparameterisation of post-norm, the
     stream carrying D times the post-norm stream, so only the scale each site divides by moves with a.)
 
-    What transition.py came to provide for this (placement/blend.py; the prototype here patches it in):
+    What transition.py came to provide for this (placement/migrate/blend.py; the prototype here patches it in):
       * per sublayer the scalar C_k of the stream it reads, and C_{k+1} at its norm's call site; C_K at the
         added final norm (persistent buffers: a resume must not re-measure them on changed weights);
       * the entry blend `(1-a) * x / D_k + a * N(x)`, the call site `(1-a) * D_{k+1} * N(h) + a * h`, the
@@ -216,7 +217,7 @@ class OutputScaledBlend:
         out = (1-a) * D_{k+1} * N_k(h) + a * h                  the moved norm's call site
 
     exactly the trained function at a = 0 and the endpoint at a = 1. The plugin's transition to output does this
-    (placement/blend.py) with the moved norm itself at the exit, its trained gain kept for the call site."""
+    (placement/migrate/blend.py) with the moved norm itself at the exit, its trained gain kept for the call site."""
 
     def __init__(self, model: nn.Module, scales: list[float], sites: list[nn.Module], probe_x: torch.Tensor):
         t = blend.active(model)

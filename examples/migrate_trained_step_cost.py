@@ -17,7 +17,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-from ln_lightning.placement import convert, transition
+from ln_lightning.placement import convert
+from ln_lightning.placement.migrate import transition
 from migrate_trained_methods import FrozenTeacher, StreamScaledBlend, converted_scales, measure_scales
 
 

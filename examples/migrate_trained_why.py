@@ -32,8 +32,8 @@ def save_end_state(path: Path):
     """A Callback writing, at the end of training, what a why-migrate run needs to rebuild the model."""
     from lightning.pytorch.callbacks import Callback
 
-    from ln_lightning.placement import transition
-    from ln_lightning.placement.scale import BranchScale
+    from ln_lightning.placement.migrate import transition
+    from ln_lightning.placement.rewrite.scale import BranchScale
     from ln_lightning.placement import state as rewrite_state
 
     class SaveEndState(Callback):

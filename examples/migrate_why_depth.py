@@ -118,8 +118,8 @@ def continue_one(which: str, seed: int, budget: int, cfg: dict, out: Path) -> di
 
     from ln_lightning import LNPlacement, TransitionSpec
     from ln_lightning.placement import state as rewrite_state
-    from ln_lightning.placement import transition
-    from ln_lightning.placement.scale import BranchScale
+    from ln_lightning.placement.migrate import transition
+    from ln_lightning.placement.rewrite.scale import BranchScale
 
     ms = load_suite()
     sm = ms._suite()

@@ -179,10 +179,12 @@ def render_markdown(results: dict) -> str:
         f"one thread each; 0 = in one process). CharLM: {hp['layers']} layers, d_model {hp['d_model']}, {hp['heads']} heads, context {hp['block_size']}, "
         f"batch {hp['batch_size']}, {hp['steps']} steps, AdamW peak lr {hp['lr']}, warmup {hp['warmup_steps']} steps (linear) "
         f"when on, gradient_clip_val {hp['clip']}, seeds {list(range(hp['seeds']))}. Pre-norm runs: "
-        "`LNPlacement('pre', fused=False)` (a final norm added where a stack lacks one); `pre+lns`: `LNPlacement(PlacementSpec('pre', "
-        "norm_scale='depth'), fused=False)` (LayerNorm Scaling, block l's norm outputs times 1/sqrt(l)); `deepnorm`: "
-        "`LNPlacement('deepnorm', fused=False)` (post-norm with DeepNorm's alpha = (2N)^(1/4) on the stream, the function "
-        "at initialisation unchanged). Same initial weights and data order for all configs of a seed.",
+        "`LNPlacement('pre', fused=False)` (a final norm added where a stack lacks one)"
+        + ("" if set(hp.get("configs", WARMUP_CONFIGS)) <= set(WARMUP_CONFIGS) else
+           "; `pre+lns`: `LNPlacement(PlacementSpec('pre', norm_scale='depth'), fused=False)` (LayerNorm Scaling, block l's "
+           "norm outputs times 1/sqrt(l)); `deepnorm`: `LNPlacement('deepnorm', fused=False)` (post-norm with DeepNorm's "
+           "alpha = (2N)^(1/4) on the stream, the function at initialisation unchanged)")
+        + ". Same initial weights and data order for all configs of a seed.",
         "",
         "| config | seed | initial loss | final train loss | min loss | val loss | diverged | grad-norm median | max | max/median | clipped steps | dominant group when clipped | top mean shares | s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -25,8 +25,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from ln_lightning.placement import blend
-from ln_lightning.placement.teacher import frozen_copy, kl_to_teacher, logits_of, trained_output
+from ln_lightning.placement.migrate import blend
+from ln_lightning.placement.migrate.teacher import frozen_copy, kl_to_teacher, logits_of, trained_output
 
 CHECKPOINT_KEY = "ln_lightning_teacher"
 _STEP = "training_step"

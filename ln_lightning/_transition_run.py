@@ -1,6 +1,6 @@
 """One Trainer call's drive of a model's placement transition: `TransitionRun`.
 
-The model owns the transition's state (``ln_lightning.placement.blend.Transition``: the blend, the steps done,
+The model owns the transition's state (``ln_lightning.placement.migrate.blend.Transition``: the blend, the steps done,
 the smoothed drift, in persistent buffers); this object owns what one fit does with it: the distillation that
 measures the drift, the stream scales' measurement on the first batch, the endpoint steps, the closed loop's
 gate and pace, and what the dashboard and the report are told. The plugin calls it twice per training batch
@@ -20,7 +20,7 @@ from ln_lightning._distill import Distillation
 from ln_lightning._warnings import info, warn
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.spec import LOSS_BASELINE_STEPS, TransitionSpec
-from ln_lightning.placement.transition_control import endpoint_step
+from ln_lightning.placement.migrate.transition_control import endpoint_step
 
 log = logging.getLogger("ln_lightning.plugin")
 

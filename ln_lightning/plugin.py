@@ -50,13 +50,13 @@ from ln_lightning.checkpoint import (
 from ln_lightning.norm import FusedLayerNorm
 from ln_lightning.placement import PlacementError, inspect_model
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement.apply import apply_config, rebuild
-from ln_lightning.placement.compare import difference
+from ln_lightning.placement.rewrite.apply import apply_config, rebuild
+from ln_lightning.placement.checking.compare import difference
 from ln_lightning.placement.options import mix_split
 from ln_lightning.placement.spec import PlacementSpec, TransitionSpec, coerce_placement
 from ln_lightning.placement.state import MARKER
-from ln_lightning.placement.trained_change import endpoint_change
-from ln_lightning.placement.transition import check_schedule
+from ln_lightning.placement.migrate.trained_change import endpoint_change
+from ln_lightning.placement.migrate.transition import check_schedule
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class LNPlacement(LayerSync, Callback):
             a ``transition`` this is how a plugin-less post-norm run continues as pre-norm: the resumed model
             computes exactly the checkpoint's function and the transition starts at the checkpoint's step.
         transition: ``None`` (the rewrite takes effect at once), a :class:`~ln_lightning.TransitionSpec`, or an int
-            ``N`` (``TransitionSpec(steps=N)``): a function-preserving transition (``ln_lightning.placement.transition``).
+            ``N`` (``TransitionSpec(steps=N)``): a function-preserving transition (``ln_lightning.placement.migrate.transition``).
             At fit start the model computes exactly the function it had; a blend moves it towards ``placement``
             (logged as ``ln_placement/transition``) and, at blend 1, the transition machinery is removed and the model
             is exactly what ``convert(model, placement, ...)`` gives. By default a closed loop moves the blend: only

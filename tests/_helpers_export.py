@@ -103,7 +103,8 @@ def trained_looking(module: nn.Module, seed: int = 3) -> nn.Module:
 def converted(case: Case, *, transition_blend: float | None = None) -> nn.Module:
     """The case's model, trained-looking, converted to pre-norm (or mid-transition at `transition_blend`)."""
     from ln_lightning import convert
-    from ln_lightning.placement import state, transition
+    from ln_lightning.placement import state
+    from ln_lightning.placement.migrate import transition
 
     model = trained_looking(case.build())
     if transition_blend is None:

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.demo.lightning import CharLM
-from ln_lightning.placement import transition
+from ln_lightning.placement.migrate import transition
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, block_size=16)
 SEQ = 16
@@ -131,8 +131,8 @@ def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "
     import copy
 
     from ln_lightning import convert
-    from ln_lightning.placement.blocks import STREAM_SITE_ATTR
-    from ln_lightning.placement.stream_scale import cumulative_scales, site_ratios
+    from ln_lightning.placement.reading.blocks import STREAM_SITE_ATTR
+    from ln_lightning.placement.rewrite.stream_scale import cumulative_scales, site_ratios
 
     ref = copy.deepcopy(unconverted)
     convert(ref, placement, branch_scale="stream", **convert_kw)
@@ -178,7 +178,7 @@ def stream_reference(unconverted: nn.Module, x: torch.Tensor, placement: str = "
 def _branch_spread_hooks(ref: nn.Module, unconverted: nn.Module, scaled: dict, spreads: dict) -> list:
     """Forward hooks on the *unconverted* model's exit modules (where `ref`'s output norms are applied) that put
     each site's trained branch output spread (per-token standard deviation, averaged) into `spreads`."""
-    from ln_lightning.placement import hooks
+    from ln_lightning.placement.rewrite import hooks
 
     exit_of = {id(h.norm): p for p, m in ref.named_modules() for h in m._forward_hooks.values()
                if isinstance(h, hooks.NormalizeBranchOutput)}

@@ -13,7 +13,7 @@ from lightning.pytorch import Trainer
 
 from ln_lightning import LNPlacement, PlacementSpec, TransitionSpec
 from ln_lightning.demo.lightning import CharLM
-from ln_lightning.placement import transition
+from ln_lightning.placement.migrate import transition
 from ln_lightning.plugin import load_converted
 from ln_lightning.testing import plugin as h
 

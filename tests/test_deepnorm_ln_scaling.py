@@ -49,7 +49,7 @@ def _deepnorm_lm_reference(state: dict, idx: torch.Tensor, n_layers: int, alpha:
 
 
 def test_deepnorm_alpha_is_the_papers():
-    from ln_lightning.placement.deepnorm import deepnorm_alpha
+    from ln_lightning.placement.rewrite.deepnorm import deepnorm_alpha
     assert deepnorm_alpha(6) == pytest.approx(12 ** 0.25) and deepnorm_alpha(1) == pytest.approx(math.sqrt(math.sqrt(2)))
 
 

@@ -12,7 +12,7 @@ import torch
 from _helpers_examples import load_example
 
 from ln_lightning.demo import PostNormTransformerLM
-from ln_lightning.placement import transition
+from ln_lightning.placement.migrate import transition
 
 ec = load_example("migrate_suite/endpoint_calibration")
 

@@ -23,7 +23,7 @@ from _helpers_transition import LM, batch, loader, trainer  # noqa: E402
 from ln_lightning import LNLightningWarning, LNPlacement, PlacementError, convert, from_pretrained, save_pretrained  # noqa: E402
 from ln_lightning.export import remote_runtime  # noqa: E402
 from ln_lightning.placement import state as rewrite_state  # noqa: E402
-from ln_lightning.placement import transition  # noqa: E402
+from ln_lightning.placement.migrate import transition  # noqa: E402
 
 TOL = 1e-6
 

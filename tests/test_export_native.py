@@ -22,7 +22,7 @@ from _helpers_export import H, OPT, S2S, W2V, quiet_transformers, rel, tied, tok
 from ln_lightning import PlacementError, convert, to_native  # noqa: E402
 from ln_lightning.export import native_hf  # noqa: E402
 from ln_lightning.placement import state as rewrite_state  # noqa: E402
-from ln_lightning.placement import transition  # noqa: E402
+from ln_lightning.placement.migrate import transition  # noqa: E402
 
 TOL = 1e-6
 

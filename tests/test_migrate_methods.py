@@ -8,8 +8,9 @@ import torch
 
 from _helpers_examples import load_example
 from ln_lightning.demo.lightning import CharLM
-from ln_lightning.placement import convert, transition
-from ln_lightning.placement.scale import BranchScale
+from ln_lightning.placement import convert
+from ln_lightning.placement.migrate import transition
+from ln_lightning.placement.rewrite.scale import BranchScale
 
 M = load_example("migrate_trained_methods")
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ln_lightning import LNPlacement
 from ln_lightning.callbacks import LayerNormInputMonitor
-from ln_lightning.placement import transition
+from ln_lightning.placement.migrate import transition
 from ln_lightning.testing.monitors import read_scalars
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")

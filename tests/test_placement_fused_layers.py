@@ -8,7 +8,7 @@ from torch import nn
 
 from ln_lightning import convert
 from ln_lightning.norm import FusedLayerNorm, swap_layernorms
-from ln_lightning.placement import fused_layers
+from ln_lightning.placement.rewrite import fused_layers
 
 
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ln_lightning.placement import convert, inspect_model
-from ln_lightning.placement.blocks import fresh_norm_like
+from ln_lightning.placement.reading.blocks import fresh_norm_like
 
 T = pytest.importorskip("transformers")
 T.logging.set_verbosity_error()

@@ -298,7 +298,8 @@ def _one_block(kinds, with_example=True, dtype=torch.float32):
 def test_the_property_fails_on_a_wrong_rewrite(monkeypatch):
     """The property can fail: with the entry hook broken to normalise nothing and the engine's own
     checks switched off (each catches the broken hook by itself), the property must catch it."""
-    from ln_lightning.placement import blocks, hooks
+    from ln_lightning.placement.reading import blocks
+    from ln_lightning.placement.rewrite import hooks
 
     monkeypatch.setattr(hooks.NormalizeBranchInput, "__call__", lambda self, m, a, k: None)
     monkeypatch.setattr(blocks, "check_hooked", lambda block, streams, args, kwargs, start=None: (0.0, block(*args, **kwargs)))
@@ -326,7 +327,7 @@ def test_each_blind_read_is_refused_at_block_level_and_converted_inside_a_module
 
 def _blind_recording(monkeypatch):
     """The recording as blind as before issue 22: in-place by name only, no aliases, nothing leaves torch."""
-    from ln_lightning.placement import recording
+    from ln_lightning.placement.reading import recording
 
     def by_name(ins, before, func):
         name = recording._func_name(func)
@@ -359,7 +360,7 @@ def test_without_the_black_box_check_the_property_fails(kind, monkeypatch):
     """The other half: with the black-box check switched off and the recording as blind as it was, a
     block-level blind read is converted as if the hook reached it, and the property catches the wrong
     function, for every kind the old recording missed."""
-    from ln_lightning.placement import blocks
+    from ln_lightning.placement.reading import blocks
 
     _blind_recording(monkeypatch)
     monkeypatch.setattr(blocks.HookedHandler, "reference_error", lambda self, args, kwargs, out: None)
@@ -376,7 +377,7 @@ def test_without_the_black_box_check_the_property_fails(kind, monkeypatch):
 def test_without_the_black_box_check_an_opaque_kernel_read_is_a_silent_wrong_result(monkeypatch):
     """With today's recording too: a kernel the recording can't see (torch function handling off, as
     for a C++ extension) is caught by the black-box check only."""
-    from ln_lightning.placement import blocks
+    from ln_lightning.placement.reading import blocks
 
     spec = _one_block(["linear", "blind:opaque_kernel"])
     check_property(spec)  # with it: refused

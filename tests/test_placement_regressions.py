@@ -17,8 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ln_lightning import PlacementError, Sublayer, convert, inspect_model, register_block
-from ln_lightning.placement import final_norm as final_norm_module
-from ln_lightning.placement import hooks, unregister_block
+from ln_lightning.placement.rewrite import final_norm as final_norm_module
+from ln_lightning.placement import unregister_block
+from ln_lightning.placement.rewrite import hooks
 
 D = 8
 
@@ -377,7 +378,7 @@ def test_strict_refusal_leaves_the_model_unchanged():
 
 
 def test_an_error_raised_inside_our_own_check_is_raised_not_reported_as_a_skip(monkeypatch):
-    from ln_lightning.placement import blocks
+    from ln_lightning.placement.reading import blocks
 
     def broken(*a, **k):
         raise ZeroDivisionError("a bug in ln_lightning")
@@ -541,7 +542,7 @@ def test_a_read_of_the_stream_the_hooks_do_not_reach_refuses_the_block(kind):
 def test_without_the_isolation_check_a_parent_stash_is_a_silent_wrong_result(monkeypatch):
     """The isolation check is what refuses a block that reads a stash its parent set: with it off, the block
     is converted and computes `x + ff(LN x) + mix(x)`, not the pre-norm function of its branch."""
-    from ln_lightning.placement import isolation
+    from ln_lightning.placement.checking import isolation
 
     monkeypatch.setattr(isolation, "outside_state", lambda model, example, found, paths: ({}, []))
     torch.manual_seed(0)
@@ -645,7 +646,7 @@ def test_a_meta_device_model_does_not_decide_a_norm_class_for_later_models():
     """Recognising a norm class on a meta-device instance used to cache "not a norm" for the class: every
     later real model of it then had "no LayerNorm". A meta model is read on its own, and so is the next."""
     T = pytest.importorskip("transformers")
-    from ln_lightning.placement.norms import RecognisedNorm
+    from ln_lightning.placement.reading.norms import RecognisedNorm
 
     cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=99)
     norm_class = type(T.LlamaModel(T.LlamaConfig(**cfg)).norm)
@@ -686,7 +687,7 @@ def test_a_half_precision_block_called_by_keyword_is_checked_at_its_own_precisio
 def test_the_black_box_reference_tells_the_blocks_errors_from_its_own(monkeypatch):
     """A block whose forward fails on the reference's inputs is refused with that reason; an error in the
     reference's own hooks is raised (a bug of ours is never reported as a skip)."""
-    from ln_lightning.placement import black_box
+    from ln_lightning.placement.checking import black_box
 
     class Picky(PostBlock):
         def forward(self, x):

@@ -217,7 +217,7 @@ def test_parallel_residual_blocks_have_one_status_and_one_rule(cls, with_example
     """Whatever the order of the adds and whether the branches share a norm: one sublayer, pre-norm,
     parallel. 'pre' leaves it as it is; 'post' is refused (written pre-norm); 'peri' and 'output' are
     refused with the one parallel-residual reason; the model is bit for bit unchanged every time."""
-    from ln_lightning.placement.analysis import PARALLEL
+    from ln_lightning.placement.reading.analysis import PARALLEL
 
     torch.manual_seed(0)
     model = nn.ModuleList([cls(), cls()])

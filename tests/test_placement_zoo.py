@@ -403,7 +403,7 @@ def test_parallel_residual_families_have_one_status(name, build):
     """Every parallel-residual family the same: each layer one sublayer, pre, parallel; "pre" leaves it
     (already), "post" is refused as for any pre-norm block, "peri" and "output" with the one parallel rule
     (analysis.PARALLEL); the model is bit for bit unchanged."""
-    from ln_lightning.placement.analysis import PARALLEL
+    from ln_lightning.placement.reading.analysis import PARALLEL
 
     torch.manual_seed(0)
     model = build().eval()

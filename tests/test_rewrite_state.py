@@ -27,7 +27,8 @@ from torch.overrides import TorchFunctionMode
 
 from _helpers_transition import HELD, LM, BlendRecorder, batch, loader, rel, stream_reference, trainer
 from ln_lightning import LNLightningWarning, TransitionSpec, convert
-from ln_lightning.placement import PlacementError, transition
+from ln_lightning.placement import PlacementError
+from ln_lightning.placement.migrate import transition
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.plugin import LNPlacement, load_converted
 

@@ -23,8 +23,9 @@ from transformers import VitsConfig
 from transformers.models.vits.modeling_vits import VitsEncoderLayer
 
 from ln_lightning import LNLightningDeprecationWarning
-from ln_lightning.placement import PlacementError, convert, transition
-from ln_lightning.placement.scale import BranchScale, InputScale
+from ln_lightning.placement import PlacementError, convert
+from ln_lightning.placement.migrate import transition
+from ln_lightning.placement.rewrite.scale import BranchScale, InputScale
 
 from _helpers_transition import rel, trainer
 

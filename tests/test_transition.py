@@ -1,4 +1,4 @@
-"""Issue 11: the function-preserving post-norm -> pre-norm transition (ln_lightning.placement.transition).
+"""Issue 11: the function-preserving post-norm -> pre-norm transition (ln_lightning.placement.migrate.transition).
 
 Exactness is the point: at blend 0 the model computes the unconverted post-norm function, at blend 1
 (and after `finish`) exactly `convert(model, "pre")`; `finish` leaves nothing behind.
@@ -23,11 +23,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import ln_lightning
 from ln_lightning import LNLightningWarning, PlacementSpec, TransitionSpec
 from ln_lightning.demo import PostNormTransformerLM
-from ln_lightning.placement import PlacementError, convert, transition
-from ln_lightning.placement import blend as placement_blend
-from ln_lightning.placement import hooks as placement_hooks
+from ln_lightning.placement import PlacementError, convert
+from ln_lightning.placement.migrate import transition
+from ln_lightning.placement.migrate import blend as placement_blend
+from ln_lightning.placement.rewrite import hooks as placement_hooks
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement.transition_control import endpoint_step
+from ln_lightning.placement.migrate.transition_control import endpoint_step
 from ln_lightning.plugin import LNPlacement, load_converted
 
 from _helpers_transition import HELD, KINDS, LM, PLAIN, TINY, BlendRecorder, TorchEncoderLM, batch, loader, loss_of, make, rel, stream_reference, trainer
@@ -1002,7 +1003,7 @@ def test_a_stream_scaled_transition_exports_and_compiles_mid_way():
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_the_teacher_computes_the_trained_function_bit_for_bit(kind):
-    from ln_lightning.placement.teacher import frozen_copy, trained_output
+    from ln_lightning.placement.migrate.teacher import frozen_copy, trained_output
 
     model = make(kind)
     x = batch(3)
@@ -1106,15 +1107,15 @@ def test_stream_scaled_output_blend_is_exact_at_both_ends_and_keeps_the_function
 
 
 def test_only_the_transition_writes_its_blend():
-    """Issue 32: the Transition (placement/blend.py) is the one writer of its blend buffer; everything else asks it
+    """Issue 32: the Transition (placement/migrate/blend.py) is the one writer of its blend buffer; everything else asks it
     (`set_progress`, `gate`, `hold`, `pinned` for a forward at another blend). The study's DriftBudgetController
-    (placement/transition_control.py) updates a buffer it is handed, for the examples that drive a blend by hand."""
+    (placement/migrate/transition_control.py) updates a buffer it is handed, for the examples that drive a blend by hand."""
     import pathlib
     import re
 
     write = re.compile(r"\.blend\.(fill_|copy_|zero_|add_|sub_|mul_|clamp_|data)\b|\.blend\s*=[^=]|\.blend\[[^\]]*\]\s*=[^=]")
     assert write.search("t.blend.fill_(1.0)") and write.search("self.transition.blend.copy_(x)") and not write.search("t.blend == 1")
     root = pathlib.Path(ln_lightning.__file__).parent
-    writers = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name != "blend.py" or p.parent.name != "placement"
+    writers = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name != "blend.py" or p.parent.name != "migrate"
                for i, line in enumerate(p.read_text().splitlines(), 1) if write.search(line)]
     assert not writers, writers

@@ -22,8 +22,9 @@ from _helpers_transition import LM, BlendRecorder, batch, loader, rel, trainer
 from ln_lightning import LNLightningDeprecationWarning, LNLightningWarning, TransitionSpec
 from ln_lightning import _distill
 from ln_lightning.demo import PostNormTransformerLM
-from ln_lightning.placement import convert, transition
-from ln_lightning.placement.blend import Transition
+from ln_lightning.placement import convert
+from ln_lightning.placement.migrate import transition
+from ln_lightning.placement.migrate.blend import Transition
 from ln_lightning.plugin import REPORT_FILENAME, LNPlacement
 
 

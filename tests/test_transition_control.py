@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from ln_lightning.placement.stream_scale import cumulative_scales, site_ratios
-from ln_lightning.placement.transition_control import BlendPlan, DriftBudgetController, FunctionSpeedSchedule, endpoint_step
+from ln_lightning.placement.rewrite.stream_scale import cumulative_scales, site_ratios
+from ln_lightning.placement.migrate.transition_control import BlendPlan, DriftBudgetController, FunctionSpeedSchedule, endpoint_step
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "speed"])

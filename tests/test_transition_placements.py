@@ -17,7 +17,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ln_lightning.demo import PostNormTransformerLM
-from ln_lightning.placement import PlacementError, convert, inspect_model, transition
+from ln_lightning.placement import PlacementError, convert, inspect_model
+from ln_lightning.placement.migrate import transition
 from ln_lightning.placement.spec import PlacementSpec
 from ln_lightning.plugin import LNPlacement
 

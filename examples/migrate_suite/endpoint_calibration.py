@@ -35,10 +35,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.func import functional_call
 
-from ln_lightning.placement import blend as _blend
-from ln_lightning.placement import transition
-from ln_lightning.placement.scale import BranchScale
-from ln_lightning.placement.teacher import kl_to_teacher, logits_of
+from ln_lightning.placement.migrate import blend as _blend
+from ln_lightning.placement.migrate import transition
+from ln_lightning.placement.rewrite.scale import BranchScale
+from ln_lightning.placement.migrate.teacher import kl_to_teacher, logits_of
 
 
 class CalibrationError(RuntimeError):

@@ -16,7 +16,7 @@ from ln_lightning._warnings import info, warn
 from ln_lightning.callbacks._common import ActivationMonitor, first_tensor, metric_safe, normalize_name
 from ln_lightning.callbacks._reduce import MAX, SUM, PackedStats
 from ln_lightning.norm import FusedAddLayerNorm, FusedAddRMSNorm, explain_norm, recognize_norm
-from ln_lightning.placement.hooks import normalization_weight
+from ln_lightning.placement.rewrite.hooks import normalization_weight
 
 _log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class LayerNormInputMonitor(ActivationMonitor):
 
     During a placement transition (``LNPlacement(transition_steps=N)``) a norm normalises twice, at its own
     call site (weighing ``1 - a`` in the function) and at its branch's entries (weighing ``a``); each row is
-    weighted by that (``ln_lightning.placement.hooks.normalization_weight``) and rows of weight 0 are left out,
+    weighted by that (``ln_lightning.placement.rewrite.hooks.normalization_weight``) and rows of weight 0 are left out,
     so the statistics are exactly the unconverted model's at blend 0 and the converted model's at blend 1.
 
     RMSNorms (``nn.RMSNorm``, ``FusedRMSNorm`` and every module ``recognize_norm`` finds to be an

@@ -1,7 +1,7 @@
 """One recorded forward of a model, read for the exact rewrites: where each norm's input comes from, who reads
 its output, and how a feature dimension moves through the ops between them.
 
-The recording is `ln_lightning.placement.recording`'s data-flow graph (every torch function and module call of
+The recording is `ln_lightning.placement.reading.recording`'s data-flow graph (every torch function and module call of
 one real forward). On top of it this file records each *normalisation*: a norm's forward hooks fire where it
 really normalises, also for a norm `convert` deferred to its branch's entry (its call site in the user's code
 then only passes the stream through), so a converted model is read as the function it computes now.
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ln_lightning.placement.discovery import eval_no_grad, run_model
-from ln_lightning.placement.recording import Event, Recording, flatten, record, storage_key
+from ln_lightning.placement.reading.discovery import eval_no_grad, run_model
+from ln_lightning.placement.reading.recording import Event, Recording, flatten, record, storage_key
 
 ADD = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__isub__", "sub_", "subtract"}
 MUL = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply", "div", "__truediv__", "__itruediv__", "div_",

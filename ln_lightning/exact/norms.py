@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ln_lightning.norm import kinds
 from ln_lightning.norm.modules import FusedLayerNorm
 from ln_lightning.norm.modules_rms import FusedRMSNorm
-from ln_lightning.placement import hooks
+from ln_lightning.placement.rewrite import hooks
 
 
 class RMSNormWithBias(nn.RMSNorm):

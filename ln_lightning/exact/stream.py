@@ -30,7 +30,7 @@ from torch.nn.utils import parametrize
 from ln_lightning.exact.graph import Traced, backward_terms, forward_dim
 from ln_lightning.exact import norms as norm_kinds
 from ln_lightning.exact import ties
-from ln_lightning.placement.recording import Event
+from ln_lightning.placement.reading.recording import Event
 
 
 @dataclass

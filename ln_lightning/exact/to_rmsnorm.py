@@ -19,7 +19,7 @@ from torch import nn
 
 from ln_lightning.exact import graph, norms, stream, ties
 from ln_lightning.exact.report import ExactRewriteReport, NormRewrite
-from ln_lightning.placement.norms import norm_types
+from ln_lightning.placement.reading.norms import norm_types
 
 # Beyond this relative change of the model's output on the example input the rewrite is a bug, not float error.
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}

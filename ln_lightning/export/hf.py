@@ -20,7 +20,7 @@ from ln_lightning._extras import require
 from ln_lightning.export import directory as hf_directory
 from ln_lightning.export import save_guard
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement.apply import rebuild
+from ln_lightning.placement.rewrite.apply import rebuild
 from ln_lightning.placement.errors import PlacementError
 
 

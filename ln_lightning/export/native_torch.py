@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from ln_lightning.export import native_hf
-from ln_lightning.placement import hooks
+from ln_lightning.placement.rewrite import hooks
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.errors import PlacementError
-from ln_lightning.placement.fused_layers import FUSED_CLASS
+from ln_lightning.placement.rewrite.fused_layers import FUSED_CLASS
 
 _PLAIN_LAYERS = {*FUSED_CLASS, *FUSED_CLASS.values()}
 

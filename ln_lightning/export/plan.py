@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ln_lightning.placement import blend, hooks, ln_scaling
+from ln_lightning.placement.migrate import blend
+from ln_lightning.placement.rewrite import hooks, ln_scaling
 from ln_lightning.placement.errors import PlacementError
-from ln_lightning.placement.scale import BranchScale, InputScale
+from ln_lightning.placement.rewrite.scale import BranchScale, InputScale
 
 MARKER = "ln_lightning_placement"  # the rewrite's marker buffer (ln_lightning.placement.state.MARKER)
 
@@ -61,7 +62,7 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
         raise PlacementError(
             "the model is mid-way through a stream-scaled transition to 'output': its call sites normalise with the "
             "trained gains the transition keeps aside, which the saved model's remote code does not rebuild. Save it "
-            "once the transition has ended (or finish it: ln_lightning.placement.transition.finish(model)); to "
+            "once the transition has ended (or finish it: ln_lightning.placement.migrate.transition.finish(model)); to "
             "continue it, keep the Lightning checkpoint (load_converted / Trainer.fit(ckpt_path=...))")
     if transition is not None and transition.scaled:
         # The stream-scaled blend: which norm reads which of the transition's scales (they load with the weights).

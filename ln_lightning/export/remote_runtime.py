@@ -9,7 +9,7 @@ builds the model's own Hugging Face class and re-installs, by module path, what 
 passed through at their call sites and applied at their branch's entries, branch scales, output norms, the final
 norms it added, the markers, and a transition's blend. What to install is data, written by ln_lightning from the
 converted model's hooks (``config.ln_lightning["plan"]``, ``ln_lightning.export.plan``); the arithmetic below is
-the same, operation for operation, as ``ln_lightning.placement.hooks`` and ``.blend`` (a test compares the two in
+the same, operation for operation, as ``ln_lightning.placement.rewrite.hooks`` and ``.blend`` (a test compares the two in
 a process where ln_lightning is not importable).
 
 It imports torch and transformers only: whoever loads the directory needs nothing else.

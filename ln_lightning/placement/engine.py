@@ -20,19 +20,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ln_lightning.placement import final_norm as fn
-from ln_lightning.placement import deepnorm, hooks, isolation, ln_scaling
+from ln_lightning.placement.rewrite import final_norm as fn
+from ln_lightning.placement.checking import isolation
+from ln_lightning.placement.rewrite import deepnorm, hooks, ln_scaling
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement.blocks import Handler, ScaleFactory, TorchLayerHandler
-from ln_lightning.placement.checks import CheckFailed, relative_error, tolerance
-from ln_lightning.placement.discovery import CONTAINERS, Example, Found, Stack, discover, eval_no_grad, synthetic_probe
+from ln_lightning.placement.reading.blocks import Handler, ScaleFactory, TorchLayerHandler
+from ln_lightning.placement.checking.checks import CheckFailed, relative_error, tolerance
+from ln_lightning.placement.reading.discovery import CONTAINERS, Example, Found, Stack, discover, eval_no_grad, synthetic_probe
 from ln_lightning.placement.errors import PlacementError
-from ln_lightning.placement.norms import norm_types
+from ln_lightning.placement.reading.norms import norm_types
 from ln_lightning.placement.options import mix_split, validate_options
-from ln_lightning.placement.plan import Unrecognised
+from ln_lightning.placement.rewrite.sublayer_plan import Unrecognised
 from ln_lightning.placement.report import BlockChange, ConversionReport, NormInfo, PlacementReport, StackInfo
 from ln_lightning.placement.spec import PlacementSpec
-from ln_lightning.placement.transaction import Snapshot
+from ln_lightning.placement.rewrite.transaction import Snapshot
 
 PRESERVE_TOLERANCE = 1e-6
 
@@ -240,7 +241,7 @@ def convert(
             norm moves to the branch output), "mix" (Mix-LN: the first `mix_post_blocks` blocks of
             each stack post-norm, by default a quarter, the rest pre-norm) or "deepnorm" (DeepNorm on a post-norm
             model, `N(alpha x + G'(x))` with alpha = (2N)^(1/4) folded into each branch's last linear layer and
-            its exit scaled by 1/alpha: the same function, see placement/deepnorm.py). Or a PlacementSpec, which then holds
+            its exit scaled by 1/alpha: the same function, see placement/rewrite/deepnorm.py). Or a PlacementSpec, which then holds
             `final_norm`, `branch_scale`, `layerscale_init`, `mix_post_blocks` and `norm_scale` (leave those keywords out), and no
             transition (convert rewrites at once; a transition runs under LNPlacement).
         final_norm: for "pre": give each converted stack that lacks one a final norm where the
@@ -294,7 +295,7 @@ def convert(
         # Mid-transition the blocks compute a blend; rewriting them now would leave it half-undone.
         raise PlacementError(
             f"{type(model).__name__} is in a placement transition (ln_lightning_transition); end it first with "
-            "ln_lightning.placement.transition.finish(model), then convert"
+            "ln_lightning.placement.migrate.transition.finish(model), then convert"
         )
     types = norm_types()
     if not any(isinstance(m, types) for m in model.modules()):

@@ -160,7 +160,7 @@ class BlockChange:
     check_error: float | None = None  # max relative error of the probe check against the target formula
     output_change: float | None = None  # relative L2 change of the block's output on the probe input
     from_written: bool = True  # converted from the placement its forward is written in (not from a rewrite of ours)
-    # Relative error against the block's original modules run as black boxes (placement/black_box.py);
+    # Relative error against the block's original modules run as black boxes (placement/checking/black_box.py);
     # None where the check above is already independent of the recording (torch's layers).
     reference_error: float | None = None
     # Converted, but not as asked: what it got instead and why ("converted without branch_scale='stream' (...): cannot

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ln_lightning.placement.blend import MAX_STEPS
+from ln_lightning.placement.migrate.blend import MAX_STEPS
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.options import TARGETS, check_target, validate_options
 

@@ -23,7 +23,7 @@ with the model; ``ddp_spawn`` workers get it). It holds everything the rewrite i
   ``LNPlacement(resume_unconverted=True)``): then the missing entries are filled in (the markers; the added
   modules from the ones they are derived from, else fresh; the transition where it stands) and a warning says
   what the model computes with those weights;
-* the **transition** under way (``LNPlacement(transition_steps=N)``): the :class:`~ln_lightning.placement.blend.
+* the **transition** under way (``LNPlacement(transition_steps=N)``): the :class:`~ln_lightning.placement.migrate.blend.
   Transition` module at ``root.ln_lightning_transition`` (its blend, steps done and schedule are persistent
   buffers, so every state_dict says where it stood). A load makes the model compute what the state_dict was
   saved from: a state_dict saved mid-transition puts a model whose transition ended (or never ran) back into
@@ -51,7 +51,7 @@ from torch import nn
 
 from ln_lightning._warnings import warn
 from ln_lightning.norm import FusedLayerNorm
-from ln_lightning.placement import blend
+from ln_lightning.placement.migrate import blend
 from ln_lightning.placement.errors import PlacementError
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ln_lightning.placement import hooks
-from ln_lightning.placement.analysis import follow_layout, follow_stream_ops, stream_input, stream_output
-from ln_lightning.placement.recording import record
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.reading.analysis import follow_layout, follow_stream_ops, stream_input, stream_output
+from ln_lightning.placement.reading.recording import record
 
 # Relative tolerances per dtype: a few units of the format's rounding (float32 2^-24, bfloat16 2^-8,
 # float16 2^-11) accumulated over the handful of ops a check compares, measured against float64 in

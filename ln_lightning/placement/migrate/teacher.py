@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ln_lightning.placement import blend, hooks
+from ln_lightning.placement.migrate import blend
+from ln_lightning.placement.rewrite import hooks
 
 
 def _ours(hook: Any) -> bool:

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ln_lightning.placement import blend, hooks
-from ln_lightning.placement.checks import relative_error
-from ln_lightning.placement.discovery import run_model
+from ln_lightning.placement.migrate import blend
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.checking.checks import relative_error
+from ln_lightning.placement.reading.discovery import run_model
 
 
 def _tensor(out: Any) -> torch.Tensor | None:

@@ -19,8 +19,8 @@ from torch import nn
 
 from ln_lightning.norm import kinds
 from ln_lightning.placement.families import norm_classes
-from ln_lightning.placement.hooks import original_class
-from ln_lightning.placement.registry import registered_norm_classes
+from ln_lightning.placement.rewrite.hooks import original_class
+from ln_lightning.placement.reading.registry import registered_norm_classes
 
 # On a norm convert added as a stack's final norm: the stack's path. Not a sublayer norm of the block that may hold it.
 FINAL_NORM_MARKER = "ln_lightning_final_norm_of"

@@ -24,23 +24,25 @@ import torch
 from torch import nn
 
 from ln_lightning.norm import kinds
-from ln_lightning.placement import black_box, families, hooks
-from ln_lightning.placement.analysis import PARALLEL
-from ln_lightning.placement.checks import CheckFailed, SublayerCheck, check_hooked, relative_error
-from ln_lightning.placement.fused_layers import FUSED_CLASS, PLAIN_CLASS
-from ln_lightning.placement.norms import norm_width
-from ln_lightning.placement.plan import RewritePlan, Unrecognised
+from ln_lightning.placement import families
+from ln_lightning.placement.checking import black_box
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.reading.analysis import PARALLEL
+from ln_lightning.placement.checking.checks import CheckFailed, SublayerCheck, check_hooked, relative_error
+from ln_lightning.placement.rewrite.fused_layers import FUSED_CLASS, PLAIN_CLASS
+from ln_lightning.placement.reading.norms import norm_width
+from ln_lightning.placement.rewrite.sublayer_plan import RewritePlan, Unrecognised
 from ln_lightning.placement.report import BlockInfo, SublayerInfo
-from ln_lightning.placement.scale import BranchScale, InputScale, depth_scale, layerscale_init_for_depth
+from ln_lightning.placement.rewrite.scale import BranchScale, InputScale, depth_scale, layerscale_init_for_depth
 
-# On a block rewritten to DeepNorm (placement/deepnorm.py, which imports this module): what its undo divides back.
+# On a block rewritten to DeepNorm (placement/rewrite/deepnorm.py, which imports this module): what its undo divides back.
 _DEEPNORM = "_ln_lightning_deepnorm"
 # On a branch_scale="stream" BranchScale (pre), added output norm (peri) or InputScale (output): the norm whose stream
 # its branch reads.
 STREAM_SITE_ATTR = "ln_lightning_stream_site"
 # On the (deferred) norm of a post-norm sublayer that was converted to pre-norm without the branch_scale="stream" it
 # was asked for (`ScaleFactory.without_scale`): its index among the block's sublayers. A stream-scaled transition
-# measures that norm as a site with no scale of its own (placement/blend.py).
+# measures that norm as a site with no scale of its own (placement/migrate/blend.py).
 UNSCALED_SITE_ATTR = "ln_lightning_unscaled_site"
 
 
@@ -57,7 +59,7 @@ class ScaleFactory:
         elif kind == "layerscale":
             self.value = layerscale_init if layerscale_init is not None else layerscale_init_for_depth(depth)
         elif kind == "stream":
-            self.value = 1.0  # until a transition measures it (placement/blend.py: the stream-scaled blend)
+            self.value = 1.0  # until a transition measures it (placement/migrate/blend.py: the stream-scaled blend)
         else:
             self.value = float(kind)
 
@@ -114,7 +116,7 @@ class Handler:
 
     def info(self) -> BlockInfo:
         subs = self.sublayers()
-        if _DEEPNORM in self.block.__dict__:  # post-norm with DeepNorm's alpha (placement/deepnorm.py)
+        if _DEEPNORM in self.block.__dict__:  # post-norm with DeepNorm's alpha (placement/rewrite/deepnorm.py)
             subs = [dataclasses.replace(s, placement="deepnorm") for s in subs]
         return BlockInfo(self.path, type(self.block).__name__, self.recogniser, subs)
 
@@ -475,7 +477,7 @@ class HookedHandler(Handler):
             if target == "peri":
                 out = fresh_norm_like(norm)
                 if scales.kind == "stream" and s.written == "post":
-                    # The stream-scaled transition to peri (placement/blend.py) measures this norm's gain: the
+                    # The stream-scaled transition to peri (placement/migrate/blend.py) measures this norm's gain: the
                     # stream's constant C_k there times the trained branch output's spread.
                     out.__dict__[STREAM_SITE_ATTR] = norm
                 added.append(self._add(self._out_norm_name(s), out))
@@ -484,7 +486,7 @@ class HookedHandler(Handler):
                 hooks.defer_norm(norm)
                 self._get(p.exit_module).register_forward_hook(hooks.NormalizeBranchOutput(norm, p.exit_index, deferred=True, call=self._branch_call(p)))
                 if scales.kind == "stream" and s.written == "post":
-                    # The stream-scaled transition to output (placement/blend.py): the branch reads x / C_k, and the
+                    # The stream-scaled transition to output (placement/migrate/blend.py): the branch reads x / C_k, and the
                     # moved norm's gain becomes C_k times the trained branch output's spread.
                     w = next(iter(norm.parameters()), None)
                     entry = InputScale(1.0, device=None if w is None else w.device, dtype=None if w is None else w.dtype)

@@ -38,8 +38,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ln_lightning.placement import hooks
-from ln_lightning.placement.checks import CheckFailed
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.checking.checks import CheckFailed
 
 
 @dataclass

@@ -32,11 +32,11 @@ import math
 import torch
 from torch import nn
 
-from ln_lightning.placement import hooks
-from ln_lightning.placement.checks import CheckFailed, relative_error
-from ln_lightning.placement.discovery import eval_no_grad
-from ln_lightning.placement.plan import Unrecognised
-from ln_lightning.placement.scale import BranchScale
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.checking.checks import CheckFailed, relative_error
+from ln_lightning.placement.reading.discovery import eval_no_grad
+from ln_lightning.placement.rewrite.sublayer_plan import Unrecognised
+from ln_lightning.placement.rewrite.scale import BranchScale
 
 NORM_SCALES = ("depth",)
 # On a block with LayerNorm Scaling: [(norm path inside the block, the scale's child name)], what undoing it removes.

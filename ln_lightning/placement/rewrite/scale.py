@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ln_lightning.placement import hooks
+from ln_lightning.placement.rewrite import hooks
 
 
 def layerscale_init_for_depth(depth: int) -> float:

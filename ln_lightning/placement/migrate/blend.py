@@ -42,7 +42,7 @@ exactly as `convert` left it (fused torch layers included), at plain speed. The 
 * an added final norm gets a forward hook `BlendFinalNorm`.
 
 Who starts and ends a transition, and what it means for checkpoints, is the rewrite state's
-(``ln_lightning.placement.state``); the user-facing functions are ``ln_lightning.placement.transition``'s.
+(``ln_lightning.placement.state``); the user-facing functions are ``ln_lightning.placement.migrate.transition``'s.
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from ln_lightning.norm import kinds
-from ln_lightning.placement import hooks
-from ln_lightning.placement.blocks import STREAM_SITE_ATTR, UNSCALED_SITE_ATTR
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.reading.blocks import STREAM_SITE_ATTR, UNSCALED_SITE_ATTR
 from ln_lightning.placement.errors import PlacementError
-from ln_lightning.placement.fused_layers import FUSED_CLASS
-from ln_lightning.placement.norms import norm_types
-from ln_lightning.placement.scale import BranchScale, InputScale
-from ln_lightning.placement.stream_scale import site_ratio
+from ln_lightning.placement.rewrite.fused_layers import FUSED_CLASS
+from ln_lightning.placement.reading.norms import norm_types
+from ln_lightning.placement.rewrite.scale import BranchScale, InputScale
+from ln_lightning.placement.rewrite.stream_scale import site_ratio
 
 ATTR = "ln_lightning_transition"  # the root's submodule, and the deferred norms' instance attribute
 _PREV_CLASS = "_ln_lightning_pre_transition_class"

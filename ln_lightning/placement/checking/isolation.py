@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ln_lightning.placement import hooks
-from ln_lightning.placement.checks import relative_error, tolerance
-from ln_lightning.placement.discovery import Example, Found, eval_no_grad
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.checking.checks import relative_error, tolerance
+from ln_lightning.placement.reading.discovery import Example, Found, eval_no_grad
 
 REASON = (
     "its output on the arguments it was given changes when the rest of the model runs on another input: the block reads "

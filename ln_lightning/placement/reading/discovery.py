@@ -20,13 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ln_lightning.placement import families, hooks
-from ln_lightning.placement.analysis import analyse, stream_input, stream_input_at, stream_output, stream_output_at
-from ln_lightning.placement.blocks import Handler, HookedHandler, HookedSublayer, Stream, TorchLayerHandler, required_as_none
-from ln_lightning.placement.norms import FINAL_NORM_MARKER, norm_types, norm_width
-from ln_lightning.placement.plan import EntryPlan, RewritePlan, Unrecognised
-from ln_lightning.placement.recording import Recording, record
-from ln_lightning.placement.registry import registered_sublayers
+from ln_lightning.placement import families
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.reading.analysis import analyse, stream_input, stream_input_at, stream_output, stream_output_at
+from ln_lightning.placement.reading.blocks import Handler, HookedHandler, HookedSublayer, Stream, TorchLayerHandler, required_as_none
+from ln_lightning.placement.reading.norms import FINAL_NORM_MARKER, norm_types, norm_width
+from ln_lightning.placement.rewrite.sublayer_plan import EntryPlan, RewritePlan, Unrecognised
+from ln_lightning.placement.reading.recording import Recording, record
+from ln_lightning.placement.reading.registry import registered_sublayers
 from ln_lightning.placement.report import SkippedModule
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

@@ -30,12 +30,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ln_lightning.placement import hooks
-from ln_lightning.placement.blocks import _DEEPNORM, TorchLayerHandler
-from ln_lightning.placement.checks import CheckFailed, relative_error
-from ln_lightning.placement.discovery import eval_no_grad
-from ln_lightning.placement.plan import Unrecognised
-from ln_lightning.placement.scale import BranchScale
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.reading.blocks import _DEEPNORM, TorchLayerHandler
+from ln_lightning.placement.checking.checks import CheckFailed, relative_error
+from ln_lightning.placement.reading.discovery import eval_no_grad
+from ln_lightning.placement.rewrite.sublayer_plan import Unrecognised
+from ln_lightning.placement.rewrite.scale import BranchScale
 
 # On a block DeepNorm rewrote: [(linear path inside the block, alpha)], what undoing it divides back.
 ATTR = _DEEPNORM

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ln_lightning.placement import hooks
+from ln_lightning.placement.rewrite import hooks
 
 _ADD_NAMES = {"add", "__add__", "__radd__", "__iadd__", "add_"}
 # Results that depend on a tensor's metadata only, not its values.

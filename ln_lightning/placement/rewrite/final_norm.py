@@ -30,11 +30,12 @@ from __future__ import annotations
 import copy
 from torch import fx, nn
 
-from ln_lightning.placement import families, hooks
-from ln_lightning.placement.analysis import stream_output
-from ln_lightning.placement.blocks import HookedHandler
-from ln_lightning.placement.discovery import CONTAINERS, Found, Stack, join
-from ln_lightning.placement.norms import FINAL_NORM_MARKER, norm_types
+from ln_lightning.placement import families
+from ln_lightning.placement.rewrite import hooks
+from ln_lightning.placement.reading.analysis import stream_output
+from ln_lightning.placement.reading.blocks import HookedHandler
+from ln_lightning.placement.reading.discovery import CONTAINERS, Found, Stack, join
+from ln_lightning.placement.reading.norms import FINAL_NORM_MARKER, norm_types
 
 _TRANSPARENT = (nn.Dropout, nn.Identity)
 MARKER = FINAL_NORM_MARKER  # attribute on a norm convert added: the stack's path
@@ -109,7 +110,7 @@ def last_call(stack: Stack, found: Found):
 
 
 def _detect_observed(model: nn.Module, stack: Stack, found: Found) -> None:
-    from ln_lightning.placement.analysis import stream_input
+    from ln_lightning.placement.reading.analysis import stream_input
 
     rec = found.observation.rec
     last = last_call(stack, found)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ln_lightning.norm import FusedLayerNorm, fused_add_layer_norm
-from ln_lightning.placement import hooks
+from ln_lightning.placement.rewrite import hooks
 
 
 def _fusable(layer: nn.Module, norm: nn.Module) -> bool:

@@ -14,11 +14,11 @@ from torch import nn
 
 from ln_lightning.norm import swap_layernorms
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement import transition
+from ln_lightning.placement.migrate import transition
 from ln_lightning.placement.engine import convert
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.report import ConversionReport
-from ln_lightning.placement.transaction import Snapshot
+from ln_lightning.placement.rewrite.transaction import Snapshot
 
 
 @dataclass

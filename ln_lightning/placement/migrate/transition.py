@@ -29,7 +29,7 @@ only undoes its own rewrites, which never needs a transition).
 
 Usage without a Trainer::
 
-    from ln_lightning.placement import transition
+    from ln_lightning.placement.migrate import transition
     report = transition.begin(model, "pre", final_norm=True)   # convert(model, "pre", ...) at a = 0
     for step in range(n):
         transition.set_blend(model, transition.schedule((step + 1) / n))
@@ -65,7 +65,7 @@ State: the transition is part of the model's rewrite state (``ln_lightning.place
 the optimizer steps done and the schedule are persistent buffers of ``root.ln_lightning_transition``, so a
 checkpoint written mid-transition resumes at the same point, and loading it into the rewritten model (or
 ``load_converted``) puts the model back into that blend. The mechanics (what each place computes, the
-blend-aware hooks and layers) are ``ln_lightning.placement.blend``'s.
+blend-aware hooks and layers) are ``ln_lightning.placement.migrate.blend``'s.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ import torch
 from torch import nn
 
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement.blend import ATTR, MAX_STEPS, SCHEDULES, Transition, active, leftovers, schedule
+from ln_lightning.placement.migrate.blend import ATTR, MAX_STEPS, SCHEDULES, Transition, active, leftovers, schedule
 from ln_lightning.placement.engine import convert
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.options import TARGETS, check_target  # the request's rules, re-exported
@@ -91,7 +91,7 @@ def set_blend(model: nn.Module, a: float) -> None:
     """Set the blend: 0 is the function the model was trained with, 1 is what `convert` made it."""
     t = active(model)
     if t is None:
-        raise PlacementError("set_blend: the model is not in a transition; start one with ln_lightning.placement.transition.begin(model)")
+        raise PlacementError("set_blend: the model is not in a transition; start one with ln_lightning.placement.migrate.transition.begin(model)")
     a = float(a)
     if not (0.0 <= a <= 1.0):
         raise PlacementError(f"set_blend: the blend must be in [0, 1], got {a!r}")

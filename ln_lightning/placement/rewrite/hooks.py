@@ -159,7 +159,7 @@ class DeferredNorm:
     def forward(self, x, *args, **kwargs):  # the call site: pass-through
         if bypassed():
             return super().forward(x, *args, **kwargs)
-        # During a transition (placement/transition.py) the call site blends (1-a)*N(x) + a*x;
+        # During a transition (placement/migrate/transition.py) the call site blends (1-a)*N(x) + a*x;
         # the attribute is set on the instance by transition.start and removed by transition.finish.
         t = self.__dict__.get("ln_lightning_transition")
         if t is not None:  # a real normalisation (weighted 1-a): through normalize, so hooks and monitors see it

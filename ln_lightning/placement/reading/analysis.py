@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ln_lightning.placement.plan import EntryPlan, ExitCall, RewritePlan, Unrecognised
-from ln_lightning.placement.recording import Event, Recording
+from ln_lightning.placement.rewrite.sublayer_plan import EntryPlan, ExitCall, RewritePlan, Unrecognised
+from ln_lightning.placement.reading.recording import Event, Recording
 
 _TRANSPARENT = (nn.Dropout, nn.Identity)
 
