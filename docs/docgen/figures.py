@@ -40,6 +40,8 @@ SOURCES: dict[str, str] = {
     "depth_scaling": "results/depth_scaling/results.json",
     "warmup_study": "results/warmup_study/results.json",
     "warmup_study_lr1e_2": "results/warmup_study_lr1e-2/results.json",
+    # examples/warmup_study.py --configs post pre pre+lns deepnorm --layers 24 (issue 34: the depth-aware forms)
+    "depth_placements": "results/depth_placements/results.json",
     "layernorm_jacobian": "results/layernorm_jacobian/results.json",
     "migrate_post_norm": "results/migrate_post_norm/results.json",
     "migrate_trained": "results/migrate_trained/results.json",

@@ -23,6 +23,7 @@ PAGES: dict[str, tuple[str, str]] = {
     "results/depth_scaling/results.md": ("depth_scaling", "examples/depth_scaling.py"),
     "results/warmup_study/results.md": ("warmup_study", "examples/warmup_study.py"),
     "results/warmup_study_lr1e-2/results.md": ("warmup_study_lr1e_2", "examples/warmup_study.py"),
+    "results/depth_placements/results.md": ("depth_placements", "examples/warmup_study.py"),
     "results/layernorm_jacobian/results.md": ("layernorm_jacobian", "examples/layernorm_jacobian.py"),
     "results/migrate_post_norm/results.md": ("migrate_post_norm", "examples/migrate_post_norm.py"),
     "results/migrate_trained_screen/results.md": ("migrate_trained_screen", "examples/migrate_trained_screen/summary.py"),

@@ -361,6 +361,7 @@ EXAMPLES = [
     ("depth_scaling", "depth_scaling.py", "stream rms and relative update per block at initialisation, depth 1 to 128, five placements (`StreamNormMonitor`)"),
     ("warmup_study", "warmup_study.py", "12-layer char LM: post-norm against `LNPlacement(\"pre\")`, with and without warmup, 2 seeds (`ClipAttributionMonitor`)"),
     ("warmup_study_lr1e_2", "warmup_study.py", "the same at a higher learning rate"),
+    ("depth_placements", "warmup_study.py", "24-layer char LM: LayerNorm Scaling (`norm_scale=\"depth\"`) and DeepNorm (`\"deepnorm\"`) against pre- and post-norm, no warmup, 2 seeds"),
     ("layernorm_jacobian", "layernorm_jacobian.py", "LayerNorm's Jacobian norm against the input's spread; `LayerNormInputMonitor` catching a collapsing norm"),
     ("migrate_post_norm", "migrate_post_norm.py", "`ln-lightning inspect`, training with the plugin and monitors, `load_converted` in a fresh process (`nn.TransformerEncoder`, HF BERT)"),
     ("migrate_trained", "migrate_trained.py", "a trained post-norm model continued unchanged, through the plugin's `transition_steps` and through candidate migrations (stream-scaled blend, endpoint steps, distillation)"),
