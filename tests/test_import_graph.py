@@ -180,3 +180,10 @@ def test_placement_imports_no_layer_above_it():
                     arrows.add((name, top))
     assert arrows <= KNOWN_UPWARD, sorted(arrows - KNOWN_UPWARD)
     assert arrows == KNOWN_UPWARD, f"an arrow went: drop it from KNOWN_UPWARD ({sorted(KNOWN_UPWARD - arrows)})"
+
+
+def test_exports_plan_reads_the_rewrite_through_the_modules_that_own_its_tags():
+    """Issue 32: export's plan never reads the rewrite's tags off modules itself (`__dict__`); the transition's and
+    LayerNorm Scaling's own modules say which module reads what (`stream_sites`, `blends`, `scaled_norms`)."""
+    text = (ROOT / "export" / "plan.py").read_text()
+    assert "__dict__" not in text and "_ATTR" not in text and ".ATTR" not in text

@@ -1,7 +1,8 @@
 """What a converted model's rewrite computes, as data: the plan the remote code re-installs without ln_lightning.
 
 Read from the model itself (its hooks, deferred norms, added modules, markers and transition), not from the
-configuration it was asked for, so that the plan says what the model computes. Paths are relative to the model
+configuration it was asked for, so that the plan says what the model computes; what the rewrite tags on modules
+is read through the modules that own the tags (`migrate.blend.stream_sites`, `rewrite.ln_scaling.scaled_norms`). Paths are relative to the model
 given (the one being saved). Anything of the rewrite this module does not know how to describe is refused
 (PlacementError): a plan that left it out would load as another function.
 
@@ -66,11 +67,7 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
             "continue it, keep the Lightning checkpoint (load_converted / Trainer.fit(ckpt_path=...))")
     if transition is not None and transition.scaled:
         # The stream-scaled blend: which norm reads which of the transition's scales (they load with the weights).
-        plan["stream"] = {
-            "sites": sorted([p, m.__dict__[blend.SITE_ATTR]] for p, m in model.named_modules() if blend.SITE_ATTR in m.__dict__),
-            "finals": sorted([p, m.__dict__[blend.FINAL_ATTR]] for p, m in model.named_modules() if blend.FINAL_ATTR in m.__dict__),
-            "outs": sorted([p, m.__dict__[blend.OUT_ATTR]] for p, m in model.named_modules() if blend.OUT_ATTR in m.__dict__),
-        }
+        plan["stream"] = blend.stream_sites(model)
         if len(plan["stream"]["sites"]) != transition.site_before.numel() or len(plan["stream"]["finals"]) != transition.final_scale.numel():
             raise PlacementError("the transition's stream-scaled sites are not all inside the model being saved (a "
                                  "submodule of the rewritten model): save the model the transition was started on")
@@ -80,17 +77,15 @@ def hook_plan(model: nn.Module, *, added: list[str], derived: dict[str, str], ma
         except AttributeError:
             raise PlacementError(f"{path}, added by the rewrite, is not a module of the model being saved") from None
         plan["added"].append([path, _describe_added(model, path, derived)])
-    for path, m in model.named_modules():  # LayerNorm Scaling: which norm's output which scale multiplies
-        for norm_path, name in m.__dict__.get(ln_scaling.ATTR, []):
-            plan["hooks"].append({"at": _path_of(paths, m.get_submodule(norm_path), "scaled norm"), "type": "norm_scale",
-                                  "scale": _path_of(paths, getattr(m, name), "LayerNorm Scaling scale")})
+    for norm, scale in ln_scaling.scaled_norms(model):  # LayerNorm Scaling: which norm's output which scale multiplies
+        plan["hooks"].append({"at": _path_of(paths, norm, "scaled norm"), "type": "norm_scale",
+                              "scale": _path_of(paths, scale, "LayerNorm Scaling scale")})
     taps: dict[int, int] = {}
     for path, m in model.named_modules():
         if isinstance(m, (blend.BlendEncoderLayer, blend.BlendDecoderLayer)):
             raise PlacementError(f"{path}: a torch Transformer layer mid-transition has no Hugging Face remote-code form")
         if hooks.is_deferred(m):
-            t = m.__dict__.get(blend.ATTR)
-            plan["deferred"].append([path, t is not None])
+            plan["deferred"].append([path, blend.blends(m)])
         for kind, table in (("pre", m._forward_pre_hooks), ("post", m._forward_hooks)):
             for h in table.values():
                 entry = _describe_hook(h, path, kind, paths, taps, transition)

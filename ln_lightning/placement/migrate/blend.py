@@ -76,6 +76,18 @@ SCHEDULES = ("linear", "cosine", "closed")
 MAX_STEPS = 2**63 - 1
 
 
+def stream_sites(model: nn.Module) -> dict[str, list[list]]:
+    """Which module of `model` reads which of a stream-scaled transition's scales, by path: the scaled sites' norms
+    ("sites"), the added final norms ("finals") and peri's output norms ("outs") (export's plan reads them here)."""
+    return {key: sorted([p, m.__dict__[attr]] for p, m in model.named_modules() if attr in m.__dict__)
+            for key, attr in (("sites", SITE_ATTR), ("finals", FINAL_ATTR), ("outs", OUT_ATTR))}
+
+
+def blends(norm: nn.Module) -> bool:
+    """Whether the deferred norm `norm` computes its call site through a transition's blend."""
+    return norm.__dict__.get(ATTR) is not None
+
+
 def schedule(t: float, kind: str = "linear") -> float:
     """The blend at fraction `t` of the transition: linear `t`, or cosine `(1 - cos(pi t)) / 2`.
 

@@ -145,4 +145,11 @@ def has_norm_scale(block: nn.Module) -> bool:
     return ATTR in block.__dict__
 
 
-__all__ = ["ATTR", "NORM_SCALES", "ScaleNormOutput", "apply", "depth_norm_scale", "has_norm_scale", "undo"]
+def scaled_norms(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """Each (norm, scale) pair of LayerNorm Scaling in `model`: which norm's output which scale multiplies (export's
+    plan reads them here, not from the blocks' tags)."""
+    return [(block.get_submodule(path), getattr(block, name))
+            for block in model.modules() for path, name in block.__dict__.get(ATTR, [])]
+
+
+__all__ = ["ATTR", "NORM_SCALES", "ScaleNormOutput", "apply", "depth_norm_scale", "has_norm_scale", "scaled_norms", "undo"]
