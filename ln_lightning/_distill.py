@@ -30,7 +30,6 @@ from ln_lightning.placement.migrate.teacher import frozen_copy, kl_to_teacher, l
 
 CHECKPOINT_KEY = "ln_lightning_teacher"
 _STEP = "training_step"
-_TEACHER = "_ln_lightning_teacher"  # on the model's Transition while it runs
 
 
 class Distillation:
@@ -75,7 +74,7 @@ class Distillation:
             return f"the model is sharded under {type(trainer.strategy).__name__} (the teacher is a whole copy of it)"
         t = blend.active(pl_module)
         # An earlier fit's teacher, on this model: unless the checkpoint this run resumed from brought its own.
-        teacher = t.__dict__.get(_TEACHER) if t is not None and self.saved_state is None else None
+        teacher = t.teacher if t is not None and self.saved_state is None else None
         if self.live:
             teacher = pl_module
         elif teacher is None:
@@ -89,9 +88,9 @@ class Distillation:
             if self.saved_state is not None:
                 teacher.load_state_dict(self.saved_state)
                 blend.active(teacher).set_progress(0, 0.0)
-            # Kept with the transition (not a submodule: no state_dict key), so a second fit of this model distils
+            # Kept with the transition (Transition.teacher: no state_dict key), so a second fit of this model distils
             # towards the same function; it goes when the transition ends.
-            t.__dict__[_TEACHER] = teacher
+            t.hold_teacher(teacher)
         device = next((p.device for p in pl_module.parameters()), None)
         if device is not None and not self.live:
             teacher.to(device)  # (kept on the CPU between fits)
@@ -138,7 +137,7 @@ class Distillation:
             if keep and self.off_reason is None and self.teacher is not None:
                 self.teacher.to("cpu")
             else:
-                t.__dict__.pop(_TEACHER, None)
+                t.hold_teacher(None)
         self._module, self.teacher, self._pending, self._transition = None, None, [], None
 
     def checkpoint_state(self) -> dict | None:

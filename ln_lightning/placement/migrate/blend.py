@@ -175,13 +175,26 @@ class Transition(nn.Module):
                 state_dict[prefix + name] = torch.ones_like(getattr(self, name))
             state_dict[prefix + "scales_state"] = torch.tensor(2, dtype=torch.int64)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        self.__dict__.pop("_ln_lightning_teacher", None)  # a distillation teacher of the weights held before (LNPlacement's)
+        self.hold_teacher(None)  # a distillation teacher of the weights held before (LNPlacement's)
         steps, kind = (int(v) for v in self.schedule.tolist())
         self.steps, self.kind = (steps if steps > 0 else None), SCHEDULES[kind]
         self._host_steps = None
         self._host_scales_state = None
 
+    @property
+    def teacher(self) -> nn.Module | None:
+        """The frozen copy of the trained function LNPlacement's distillation compares with, while the transition
+        runs (None otherwise). Held outside the module tree: not in state_dict, parameters() or .to() (its weights go
+        into checkpoints apart), so a second fit of the model distils towards the same function."""
+        return self.__dict__.get("_teacher")
+
+    def hold_teacher(self, teacher: nn.Module | None) -> None:
+        """Keep `teacher` with the transition (None: let it go)."""
+        self.__dict__["_teacher"] = teacher
+
     def __setstate__(self, state):
+        if "_ln_lightning_teacher" in state:  # pickled before the teacher was a declared member (Transition.teacher)
+            state["_teacher"] = state.pop("_ln_lightning_teacher")
         super().__setstate__(state)
         self._host_steps = None  # unpickled elsewhere (a spawned worker): read the buffer once
         self._host_scales_state = None
