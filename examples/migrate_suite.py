@@ -275,6 +275,12 @@ HISTORY = [
     "loss_tolerance=None that code's closed loop is closed_S0.6_t0.05's (tests/test_transition_closed_loop.py checks the "
     "blends are the same where the gate never holds); its rows were merged into this file (--merge-into), which ran them once more on the checkout (other work's "
     "uncommitted changes in the tree): the same held-out losses at every evaluation, bit for bit; the rows keep the export's.",
+    "The default (closed_S0.6_t0.05) on xt_decoder run again on an export of ln_lightning 785ee91 (this stop's code, no "
+    "choice made on it): the same worst excess (+0.0373 at B300, +0.0361 at B600, step 160) and the same blend reached "
+    "(0.756, 0.978); final held-out loss 1.6549 and 1.6517 against the table's 1.6502 and 1.6433 (the code since stops the "
+    "teacher once the budget is spent); both runs warned before the budget's end that they would not finish (at step 45 "
+    "of 180, 'needs about 198 steps'; at step 180 of 360, 'needs about 365'), then at its end with the blend reached. "
+    "The table keeps the be7ead4 rows.",
     "closed_S0.6_t0.03 (order 6) ran on an export of ln_lightning 85eaf7e; closed_S0.6_t0.05 on charlm B300 run again on "
     "that export gave the same training losses, blends and held-out losses, bit for bit, as its be7ead4 run in the table.",
 ]
