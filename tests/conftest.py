@@ -25,10 +25,10 @@ import pytest
 import torch
 
 # One intra-op thread: the tests' tensors are tiny, and on a busy 2-core machine OpenMP's waiting
-# threads cost more than the work. Measured (issue 32, 811 tests, the compiled-kernel cache built): the
-# quick run took 124 s wall at load average 5.5-6 (62 s of CPU, 11 s of it collecting), so about a
-# minute on an idle machine; the first run in a new checkout adds the kernels' build (about 50 s each,
-# the cache's build files name the source path). Tests that need several threads set them (the CPU
+# threads cost more than the work. Measured (issue 32, 1,069 tests, the compiled-kernel cache built, an idle
+# 2-core machine): the quick run took 92-98 s wall (84 s in the tests, 11 s collecting; two pytest-xdist workers
+# made it no faster); the first run in a new checkout adds the kernels' build (about 50 s each, the cache's build
+# files name the source path). Tests that need several threads set them (the CPU
 # kernels' thread-count determinism tests).
 torch.set_num_threads(1)
 
