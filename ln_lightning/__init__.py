@@ -38,7 +38,7 @@ _EXPORTS = {
     "swap_layernorms": "ln_lightning.norm",
     # Lightning plugin
     "LNPlacement": "ln_lightning.plugin",
-    "load_converted": "ln_lightning.plugin",
+    "load_converted": "ln_lightning.checkpoint",
     "PlacementSpec": "ln_lightning.placement.spec",
     "TransitionSpec": "ln_lightning.placement.spec",
     "UnsupportedStrategyError": "ln_lightning.plugin",
@@ -74,7 +74,8 @@ if TYPE_CHECKING:  # static view of the lazy names above, for type checkers and 
         register_block,
         register_norm_class,
     )
-    from ln_lightning.plugin import LNPlacement, UnsupportedStrategyError, load_converted
+    from ln_lightning.checkpoint import load_converted
+    from ln_lightning.plugin import LNPlacement, UnsupportedStrategyError
     from ln_lightning.placement.spec import PlacementSpec, TransitionSpec
     from ln_lightning.placement.state import accept_unconverted
 

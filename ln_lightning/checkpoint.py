@@ -54,6 +54,7 @@ What each guard refuses
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 import re
 from pathlib import Path
@@ -63,6 +64,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from ln_lightning.placement.rewrite.apply import apply_config, rebuild
+from ln_lightning.placement.spec import PlacementSpec
 from ln_lightning.placement.state import FORMAT, MARKER, decode_config, qualified_name
 
 CHECKPOINT_KEY = "ln_lightning"
@@ -238,4 +241,48 @@ def build_model(model: type[nn.Module] | nn.Module, checkpoint: dict, path: Path
     return model
 
 
-__all__ = ["CHECKPOINT_KEY", "remap_optimizer_states", "read_checkpoint", "placement_record", "build_model"]
+
+def load_converted(
+    model: type[nn.Module] | nn.Module,
+    checkpoint_path: str | os.PathLike,
+    *,
+    map_location: Any = "cpu",
+    fused: bool = False,
+    strict: bool = True,
+    weights_only: bool = True,
+    **model_kwargs: Any,
+) -> nn.Module:
+    """Load a checkpoint written by a run with `LNPlacement` into the original model class, for inference.
+
+    ``model`` is the class or an instance. A LightningModule class is built from the checkpoint's
+    hyperparameters (``save_hyperparameters()``), updated with ``model_kwargs``; a checkpoint without them
+    needs ``model_kwargs`` or an instance (building with the defaults could give another model whose
+    weights happen to fit, so it is refused). Another nn.Module class is built from ``model_kwargs``. The
+    class must be the one the checkpoint records (or a subclass). The placement rewrite recorded in the
+    checkpoint is applied before the weights are loaded (strictly), including a transition under way when it
+    was written; returns the model in eval mode. The file is read with ``torch.load(weights_only=True)``, as
+    Lightning reads a ``ckpt_path``; ``weights_only=False`` is for a trusted file whose hyperparameters hold
+    objects that refuses.
+
+    Example::
+
+        model = load_converted(CharLM, "lightning_logs/version_0/checkpoints/last.ckpt")
+    """
+    path = Path(checkpoint_path)
+    checkpoint = read_checkpoint(path, map_location, weights_only=weights_only)
+    record = placement_record(checkpoint, path)
+    model = build_model(model, checkpoint, path, model_kwargs)
+    try:
+        PlacementSpec.from_config(record["config"])  # the serialised spec: what this version can build
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"load_converted: {path} records a placement configuration LNPlacement can't build: {err}") from None
+    if record.get("converted") is None:  # format 1: only the configuration is known
+        apply_config(model, record["config"], fused=fused)
+    else:
+        rebuild(model, {**record, "transition": None}, fused=fused)  # a transition: from the weights, at the load
+    if isinstance(model, LightningModule):
+        model.on_load_checkpoint(checkpoint)
+    model.load_state_dict(checkpoint.get("state_dict", checkpoint), strict=strict)
+    return model.eval()
+
+__all__ = ["load_converted", "CHECKPOINT_KEY", "remap_optimizer_states", "read_checkpoint", "placement_record", "build_model"]

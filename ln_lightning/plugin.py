@@ -10,7 +10,8 @@ plugin creates it (``placement.apply.apply_config``), advances its transition on
 writes it into checkpoints; loading a checkpoint is the state's load guard's work. Lightning does not call
 plugins as callbacks, nor anything of a plugin's after ``configure_model``; ``ln_lightning._lightning_patch``
 (every Lightning internal the plugin needs, version-guarded) does both. What checkpoints hold and the reading
-behind `load_converted` are ``ln_lightning.checkpoint``'s.
+behind `load_converted` (re-exported here) are ``ln_lightning.checkpoint``'s; turning LNPlacement's arguments
+into the request, the deprecated keywords included, is ``ln_lightning._plugin_arguments``'.
 """
 
 from __future__ import annotations
@@ -18,15 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
-from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.strategies import (
     DDPStrategy,
     FSDPStrategy,
@@ -38,22 +37,17 @@ from torch import nn
 
 from ln_lightning import _lightning_patch
 from ln_lightning._distill import CHECKPOINT_KEY as DISTILL_KEY
+from ln_lightning._plugin_arguments import placement_spec
 from ln_lightning._transition_run import TransitionRun
-from ln_lightning._warnings import LNLightningDeprecationWarning, info, warn
-from ln_lightning.checkpoint import (
-    CHECKPOINT_KEY,
-    build_model,
-    placement_record,
-    read_checkpoint,
-    remap_optimizer_states,
-)
+from ln_lightning._warnings import info, warn
+from ln_lightning.checkpoint import CHECKPOINT_KEY, load_converted, remap_optimizer_states
 from ln_lightning.norm import FusedLayerNorm
 from ln_lightning.placement import PlacementError, inspect_model
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement.rewrite.apply import apply_config, rebuild
+from ln_lightning.placement.rewrite.apply import apply_config
 from ln_lightning.placement.checking.compare import difference
 from ln_lightning.placement.options import mix_split
-from ln_lightning.placement.spec import PlacementSpec, TransitionSpec, coerce_placement
+from ln_lightning.placement.spec import PlacementSpec, TransitionSpec
 from ln_lightning.placement.state import MARKER
 from ln_lightning.placement.migrate.trained_change import endpoint_change
 from ln_lightning.placement.migrate.transition import check_schedule
@@ -82,74 +76,6 @@ def _uses_fused(model: nn.Module) -> bool:
 
 def _fmt(config: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
-
-
-# The keywords `transition=TransitionSpec(...)` replaced (ln_lightning 0.4), kept for one release: -> its field.
-_DEPRECATED = {"transition_steps": "steps", "transition_schedule": "schedule", "transition_stream_scale": "stream_scale",
-               "transition_endpoint_fraction": "endpoint_fraction", "transition_distill": "distill"}
-# The keywords `PlacementSpec(...)` replaced (ln_lightning 0.4), kept for one release: they are its fields.
-_DEPRECATED_SPEC = ("final_norm", "branch_scale", "layerscale_init", "mix_post_blocks")
-
-
-def _placement_spec(placement: Any, transition: Any, layer_sync: Any, deprecated: dict) -> tuple[PlacementSpec, Any]:
-    """The PlacementSpec and LayerSync that LNPlacement's arguments ask for, the deprecated keywords included."""
-    unknown = sorted(set(deprecated) - set(_DEPRECATED) - set(_DEPRECATED_SPEC) - {"sync_batchnorm"})
-    if unknown:
-        raise TypeError(f"LNPlacement() got an unexpected keyword argument {unknown[0]!r}")
-    if "sync_batchnorm" in deprecated:
-        sync = deprecated.pop("sync_batchnorm")
-        if not isinstance(sync, bool):
-            raise TypeError(f"LNPlacement: sync_batchnorm must be True or False, got {sync!r}.")
-        warnings.warn("LNPlacement: the sync_batchnorm keyword is deprecated and removed in the next release; pass "
-                      "layer_sync=lightning.pytorch.plugins.TorchSyncBatchNorm() instead (the same plugin).",
-                      LNLightningDeprecationWarning, stacklevel=3)
-        if sync:
-            if layer_sync is not None:
-                raise ValueError("LNPlacement: pass sync_batchnorm=True or layer_sync=..., not both (Lightning runs one LayerSync).")
-            layer_sync = TorchSyncBatchNorm()
-    fields = {k: deprecated.pop(k) for k in _DEPRECATED_SPEC if k in deprecated}
-    transition = _transition_spec(transition, deprecated)
-    try:
-        if fields:
-            if isinstance(placement, PlacementSpec):
-                raise ValueError(f"LNPlacement: {', '.join(fields)} given beside a PlacementSpec, which holds them; set "
-                                 "them in the PlacementSpec")
-            spell = ", ".join([repr(placement)] + [f"{k}={v!r}" for k, v in fields.items()])
-            words = "keyword is" if len(fields) == 1 else "keywords are"
-            warnings.warn(f"LNPlacement: the {', '.join(fields)} {words} deprecated and removed in the next release; pass "
-                          f"LNPlacement(PlacementSpec({spell}), ...) instead (from ln_lightning import PlacementSpec).",
-                          LNLightningDeprecationWarning, stacklevel=3)
-            if not isinstance(placement, str):
-                raise TypeError(f"LNPlacement: placement must be a placement's name or a PlacementSpec, got "
-                                f"{type(placement).__name__}.")
-            placement = PlacementSpec(placement, **fields)
-        return coerce_placement(placement, transition), layer_sync
-    except PlacementError as err:  # one set of rules, the spec's, so the plugin accepts exactly what convert() does
-        raise PlacementError(f"LNPlacement: {err}") from None
-
-
-def _transition_spec(transition: Any, deprecated: dict) -> TransitionSpec | None:
-    """The TransitionSpec that `transition=` or the deprecated ``transition_*`` keywords ask for."""
-    if deprecated.get("transition_steps", 0) is None:  # transition_steps=None, the old default: no transition
-        del deprecated["transition_steps"]
-    if not deprecated:
-        return TransitionSpec.coerce(transition)
-    if transition is not None:
-        raise ValueError(f"LNPlacement: pass transition=TransitionSpec(...) or the deprecated {', '.join(sorted(deprecated))}, "
-                         "not both.")
-    fields = {_DEPRECATED[k]: v for k, v in deprecated.items()}
-    new = ", ".join([f"{f}={v!r}" for f, v in fields.items()] + ["tolerance=None"])
-    warnings.warn(f"LNPlacement: {', '.join(sorted(deprecated))} are deprecated and go in the next release; pass "
-                  f"transition=TransitionSpec({new}) instead (tolerance=None keeps the open-loop schedule these keywords "
-                  "had; TransitionSpec's default is the closed loop).",
-                  LNLightningDeprecationWarning, stacklevel=4)
-    if fields.get("steps") is None:
-        raise ValueError(f"LNPlacement: {', '.join(sorted(deprecated))} apply only with transition_steps, which is "
-                         "missing (they were silently ignored before). Pass transition=TransitionSpec(steps=N, ...).")
-    try:
-        return TransitionSpec(tolerance=None, **fields)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"LNPlacement: {err} (from the deprecated {', '.join(sorted(deprecated))}).") from None
 
 
 @_lightning_patch.register_placement_class  # what the Trainer entry looks for (the patch imports nothing from here)
@@ -241,7 +167,7 @@ class LNPlacement(LayerSync, Callback):
         log_report: bool = True,
         **deprecated: Any,
     ):
-        spec, layer_sync = _placement_spec(placement, transition, layer_sync, deprecated)
+        spec, layer_sync = placement_spec(placement, transition, layer_sync, deprecated)
         for name, value in (("fused", fused), ("strict", strict), ("log_report", log_report),
                             ("resume_unconverted", resume_unconverted)):
             if not isinstance(value, bool):
@@ -772,50 +698,6 @@ class _Run:
         self.report_at_fit_start = False  # the fit's report is logged at on_fit_start, on the weights it trains
         self.transition: TransitionRun | None = None  # the model's transition, driven from on_train_start
         self.teacher_state: dict | None = None  # the teacher the ckpt_path checkpoint holds
-
-
-def load_converted(
-    model: type[nn.Module] | nn.Module,
-    checkpoint_path: str | os.PathLike,
-    *,
-    map_location: Any = "cpu",
-    fused: bool = False,
-    strict: bool = True,
-    weights_only: bool = True,
-    **model_kwargs: Any,
-) -> nn.Module:
-    """Load a checkpoint written by a run with `LNPlacement` into the original model class, for inference.
-
-    ``model`` is the class or an instance. A LightningModule class is built from the checkpoint's
-    hyperparameters (``save_hyperparameters()``), updated with ``model_kwargs``; a checkpoint without them
-    needs ``model_kwargs`` or an instance (building with the defaults could give another model whose
-    weights happen to fit, so it is refused). Another nn.Module class is built from ``model_kwargs``. The
-    class must be the one the checkpoint records (or a subclass). The placement rewrite recorded in the
-    checkpoint is applied before the weights are loaded (strictly), including a transition under way when it
-    was written; returns the model in eval mode. The file is read with ``torch.load(weights_only=True)``, as
-    Lightning reads a ``ckpt_path``; ``weights_only=False`` is for a trusted file whose hyperparameters hold
-    objects that refuses.
-
-    Example::
-
-        model = load_converted(CharLM, "lightning_logs/version_0/checkpoints/last.ckpt")
-    """
-    path = Path(checkpoint_path)
-    checkpoint = read_checkpoint(path, map_location, weights_only=weights_only)
-    record = placement_record(checkpoint, path)
-    model = build_model(model, checkpoint, path, model_kwargs)
-    try:
-        PlacementSpec.from_config(record["config"])  # the serialised spec: what this version can build
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"load_converted: {path} records a placement configuration LNPlacement can't build: {err}") from None
-    if record.get("converted") is None:  # format 1: only the configuration is known
-        apply_config(model, record["config"], fused=fused)
-    else:
-        rebuild(model, {**record, "transition": None}, fused=fused)  # a transition: from the weights, at the load
-    if isinstance(model, LightningModule):
-        model.on_load_checkpoint(checkpoint)
-    model.load_state_dict(checkpoint.get("state_dict", checkpoint), strict=strict)
-    return model.eval()
 
 
 __all__ = ["LNPlacement", "load_converted", "UnsupportedStrategyError", "SUPPORTED_STRATEGIES", "REPORT_FILENAME",

@@ -40,6 +40,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 # Lightning-free and shared).
 _CLONED = frozenset({
     "_distill",
+    "_plugin_arguments",
     "_lightning_patch",
     "_transition_run",
     "checkpoint",

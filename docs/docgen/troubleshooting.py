@@ -42,7 +42,7 @@ SKIP_SITES = {("ln_lightning/cli.py", "SystemExit"), ("ln_lightning/lightning_cl
 HELPERS = {("ln_lightning/_warnings.py", "warn")}
 # Sites that pass on a message collected elsewhere or written by another library: (path, function) -> what it passes.
 PASS_THROUGH = {
-    ("ln_lightning/plugin.py", "_placement_spec"): "LNPlacement's options are checked by `PlacementSpec` (`validate_options`, "
+    ("ln_lightning/_plugin_arguments.py", "placement_spec"): "LNPlacement's options are checked by `PlacementSpec` (`validate_options`, "
     "and the transition's target by `transition.check_target`): their messages, listed under convert's options, arrive "
     "prefixed `LNPlacement: `.",
     ("ln_lightning/_cli_errors.py", "error"): "`ln-lightning inspect`'s and `ln-lightning export`'s argument errors are "

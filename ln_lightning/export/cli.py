@@ -16,7 +16,7 @@ from pathlib import Path
 from ln_lightning._cli_errors import CliError, OneLineParser, run
 from ln_lightning.checkpoint import CHECKPOINT_KEY, read_checkpoint
 from ln_lightning.export.hf import save_pretrained
-from ln_lightning.plugin import load_converted
+from ln_lightning.checkpoint import load_converted
 
 
 def main(argv: list[str]) -> int:
