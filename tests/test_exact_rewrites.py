@@ -154,6 +154,35 @@ def test_an_embedding_that_rescales_its_weight_is_not_a_centred_writer():
     assert [n.action for n in report.norms] == ["refused"], str(report)
 
 
+def test_an_embedding_subclass_that_renormalises_its_rows_itself_is_not_a_centred_writer():
+    """A subclass that passes max_norm to the lookup itself (the module's own max_norm is None): the lookup rescales
+    the rows it reads to that norm, in place, so centring changes how much it rescales a row the example input never
+    read. The example reads only rows under the norm (exact there), so the measured error can't show it: refused."""
+
+    class Renormed(nn.Embedding):
+        def forward(self, ids):
+            return nn.functional.embedding(ids, self.weight, None, 1.0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.ln, self.head = Renormed(8, 16), nn.Embedding(4, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+        def forward(self, ids):
+            return self.head(self.ln(self.tok(ids) + self.pos(torch.arange(ids.shape[1]))))
+
+    model = randomise(Model()).eval()
+    with torch.no_grad():
+        model.tok.weight[:4] *= 0.1 / model.tok.weight[:4].norm(dim=-1, keepdim=True)  # the example's rows: under max_norm
+        model.tok.weight[4:] = 5 * model.tok.weight[4:] + 3  # over it, with a mean centring would take out
+    ref, unread = copy.deepcopy(model), torch.tensor([[4, 5, 6, 7]])
+    report = to_rmsnorm(model, torch.tensor([[0, 1, 2, 3]]))
+    assert [n.action for n in report.norms] == ["refused"], str(report)
+    assert "max_norm" in report.norms[0].reason
+    with torch.no_grad():
+        assert torch.equal(model(unread), ref(unread))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_to_rmsnorm_demo_lm_after_convert_is_exact(fused):
     model, x = demo_pre()

@@ -118,7 +118,8 @@ def writer_of(t: Traced, v: int, fd: int) -> tuple[Writer | None, str]:
         return None, f"{call.name}'s weight is computed by a parametrization (weight_norm, ...): it can't be centred"
     if fd != _feature_dim(kind, call.module, val.tensor):
         return None, f"{call.name}'s output reaches it with its features moved"
-    if kind == "embedding" and call.module.max_norm is not None:
+    # (a subclass may pass max_norm to the lookup itself: the lookup then writes its weight, in place)
+    if kind == "embedding" and (call.module.max_norm is not None or any(w == ("written",) for w, _ in e.outputs)):
         return None, f"{call.name} renormalises its rows (max_norm): centring them changes that"
     if kind == "conv" and (call.module.groups != 1 or call.module.transposed):
         return None, f"{call.name} is a grouped or transposed convolution: its output can't be centred by its weights"
