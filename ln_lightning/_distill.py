@@ -1,4 +1,4 @@
-"""LNPlacement's distillation while a transition blends: the Lightning side of ``placement.teacher``.
+"""LNPlacement's distillation while a transition blends: the Lightning side of ``placement.migrate.teacher``.
 
 The term ``weight * KL(trained || model)`` on the LightningModule's own output is added to the loss its
 ``training_step`` returns, so Lightning's own handling of that loss (division under gradient accumulation,

@@ -61,7 +61,7 @@ class TransitionRun:
         reason = self.distill.start(trainer, pl_module, t.host_steps)
         if reason is not None:
             self.distill.off_reason = reason
-            self._warn_no_distillation(trainer, reason, t)
+            self._warn_no_distillation(trainer, reason, t, self.spec.loss_tolerance)
 
     def begin_step(self, pl_module: LightningModule) -> None:
         """Before a training batch: hold the blend, log it, and say whether this step trains at the end point."""
@@ -105,7 +105,7 @@ class TransitionRun:
                                   "so there was nothing to compare with the trained function")
         if distill is not None and distill.active and distill.off_reason is not None:
             distill.stop(keep=False)
-            self._warn_no_distillation(trainer, distill.off_reason, t)
+            self._warn_no_distillation(trainer, distill.off_reason, t, self.spec.loss_tolerance)
         if t is None:
             return
         if not stepped:
@@ -247,13 +247,15 @@ class TransitionRun:
                 f"({self.spec.tolerance:g}) faster than training brings it back")
 
     @staticmethod
-    def _warn_no_distillation(trainer: Trainer, reason: str, t=None) -> None:
+    def _warn_no_distillation(trainer: Trainer, reason: str, t=None, loss_tolerance: float | None = None) -> None:
         if not trainer.is_global_zero:
             return
         if t is not None and t.closed:
-            warn(f"LNPlacement: the closed-loop transition can't measure its drift from the trained function: {reason}. "
-                 "Its blend ramps at the budget's pace instead, without a tolerance (as TransitionSpec(..., "
-                 "tolerance=None, distill=0) would; pass that to ask for it and silence this).")
+            loss = "" if loss_tolerance is None else ", nor its training loss's rise (loss_tolerance)"
+            off = "tolerance=None, distill=0" if loss_tolerance is None else "tolerance=None, loss_tolerance=None, distill=0"
+            warn(f"LNPlacement: the closed-loop transition can't measure its drift from the trained function{loss}: "
+                 f"{reason}. Its blend ramps at the budget's pace instead, without a tolerance (as TransitionSpec(..., "
+                 f"{off}) would; pass that to ask for it and silence this).")
         else:
             warn(f"LNPlacement: the transition runs without distillation towards the trained function: {reason}. "
                  "Pass TransitionSpec(..., distill=0) to ask for that and silence this.")
@@ -310,29 +312,38 @@ class _Pace:
 class _LossGate:
     """TransitionSpec.loss_tolerance: the training loss's rise over where the transition started, on the device.
 
-    The start is the mean loss of the first held-blend optimizer steps (LOSS_BASELINE_STEPS, fewer on a short
-    budget; the blend has barely moved then), the rise each later step's loss minus it, smoothed (a single
-    batch's loss is noisier than the rise it would gate on)."""
+    The start is the mean loss of the first held-blend optimizer steps (LOSS_BASELINE_STEPS, a quarter of a shorter
+    budget; the drift alone gates the blend meanwhile, which has barely moved then), the rise each later step's loss
+    minus it, smoothed (a single batch's loss is noisier than the rise it would gate on). A step whose loss is not
+    finite is left out of both (one NaN would otherwise hold the blend for good, blaming nothing)."""
 
     EMA = 0.9
 
     def __init__(self, tolerance: float, steps: int):
         self.tolerance = tolerance
         self.baseline_steps = max(1, min(LOSS_BASELINE_STEPS, steps // 4))
-        self.seen = 0  # held-blend steps counted into the start (host count: the same on every rank)
-        self.total: torch.Tensor | None = None
+        self.seen = 0  # held-blend steps the start was measured over (host count: the same on every rank)
+        self.total: torch.Tensor | None = None  # their finite losses' sum, and how many were finite (device)
+        self.count: torch.Tensor | None = None
         self.rise: torch.Tensor | None = None
 
     def update(self, loss: torch.Tensor) -> torch.Tensor | None:
         """Count one held-blend step's loss; the gate's verdict (a 0-dim bool tensor), or None while the start is
         being measured."""
         loss = loss.detach().float()
+        finite = torch.isfinite(loss)
         if self.seen < self.baseline_steps:
-            self.total = loss if self.total is None else self.total + loss
+            value, one = torch.where(finite, loss, torch.zeros_like(loss)), finite.float()
+            self.total = value if self.total is None else self.total + value
+            self.count = one if self.count is None else self.count + one
             self.seen += 1
             return None
-        rise = loss - self.total / self.seen
-        self.rise = rise if self.rise is None else self.EMA * self.rise + (1.0 - self.EMA) * rise
+        rise = loss - self.total / self.count.clamp(min=1.0)
+        finite = finite & (self.count > 0)
+        if self.rise is None:
+            self.rise = torch.where(finite, rise, torch.zeros_like(rise))
+        else:
+            self.rise = torch.where(finite, self.EMA * self.rise + (1.0 - self.EMA) * rise, self.rise)
         return self.rise <= self.tolerance
 
     def read(self) -> float | None:

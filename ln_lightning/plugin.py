@@ -6,7 +6,7 @@ How it takes effect (Lightning 2.5-2.6): `LNPlacement` is a `LayerSync` (so the 
 and a `Callback`. Its `setup` hook runs on every strategy before `configure_model`, before checkpoint weights
 are restored and before `configure_optimizers`, so parameters the rewrite adds are trained and restored like
 any other. What the rewrite is lives on the model, in its rewrite state (``ln_lightning.placement.state``): the
-plugin creates it (``placement.apply.apply_config``), advances its transition once per optimizer step, and
+plugin creates it (``placement.rewrite.apply.apply_config``), advances its transition once per optimizer step, and
 writes it into checkpoints; loading a checkpoint is the state's load guard's work. Lightning does not call
 plugins as callbacks, nor anything of a plugin's after ``configure_model``; ``ln_lightning._lightning_patch``
 (every Lightning internal the plugin needs, version-guarded) does both. What checkpoints hold and the reading

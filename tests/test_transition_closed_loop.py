@@ -502,3 +502,19 @@ def test_a_loss_that_does_not_rise_leaves_the_closed_loop_as_without_the_gate(tm
             _logged_trainer(tmp_path / name, _plugin(steps=12, tolerance=0.05, **extra), 10).fit(module, train_dataloaders=loader())
         blends[name] = _csv_column(tmp_path / name / "logs", "ln_placement/transition")
     assert blends["both"] == blends["drift"] and len(set(blends["drift"])) > 2
+
+
+def test_a_non_finite_loss_is_left_out_of_the_loss_gate():
+    """One NaN or inf loss (a bad batch) must not make the start or the smoothed rise NaN, which would hold the blend
+    for good while the warning blamed the drift: the step is left out, and the gate judges the finite ones."""
+    from ln_lightning._transition_run import _LossGate
+
+    gate = _LossGate(0.1, steps=8)  # a start over 8 // 4 = 2 held steps
+    verdicts = [gate.update(torch.tensor(v)) for v in (2.0, float("nan"), 2.05, float("inf"), 2.5, 3.0)]
+    assert verdicts[:2] == [None, None]
+    assert gate.total.item() == 2.0 and gate.count.item() == 1.0  # the start is 2.0: the NaN step counted for nothing
+    # rises: 0.05 (the first), the inf step left out (0.05 kept), then 0.9 * 0.05 + 0.1 * 0.5, then that x 0.9 + 0.1 x 1
+    expected = [0.05, 0.05, 0.9 * 0.05 + 0.1 * 0.5]
+    expected.append(0.9 * expected[-1] + 0.1 * 1.0)
+    assert [bool(v) for v in verdicts[2:]] == [r <= 0.1 for r in expected] == [True, True, True, False]
+    assert gate.read() == pytest.approx(expected[-1], rel=1e-6)

@@ -15,7 +15,7 @@ Two forms, both a normal Hugging Face directory (``config.json``, safetensors we
     (``hidden_size``, ...; the real value under ``["ln_lightning"]["held"]``), so the family's class,
     ``BertModel.from_pretrained(directory)``, refuses it with that message instead of loading the old function;
   - records the rewrite (``["ln_lightning"]["record"]``: ``ln_lightning.from_pretrained`` rebuilds it with
-    ``placement.apply.rebuild``) and what its hooks compute (``["plan"]``: what the remote code installs).
+    ``placement.rewrite.apply.rebuild``) and what its hooks compute (``["plan"]``: what the remote code installs).
 
 This module is handed the rewrite state by its callers (``ln_lightning.export.hf`` and the converted model's own
 ``save_pretrained``, ``save_guard``) and reads it through its methods only.

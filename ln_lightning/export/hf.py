@@ -92,7 +92,7 @@ def from_pretrained(directory: str | os.PathLike, *, example_input: Any = None, 
     ``directory``: a local directory (a Hub repository: download it first, ``huggingface_hub.snapshot_download``).
 
     A remote-code directory gives the saved class (``BertForMaskedLM``, ...) with its weights, rebuilt with the
-    saved rewrite (``placement.apply.rebuild``, which checks the rebuilt model converts and adds exactly what was
+    saved rewrite (``placement.rewrite.apply.rebuild``, which checks the rebuilt model converts and adds exactly what was
     saved), its added modules' weights and, saved mid-transition, its blend. A native directory gives the native
     class (it computes the function with no rewrite). ``example_input``: a probe input for the rebuild, for models
     Hugging Face's dummy inputs do not fit (speech models: a waveform); ``fused``: ln_lightning's fused LayerNorm;

@@ -406,7 +406,6 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
     else:
         report.output_change, report.output_change_scope = 0.0, "model" if model_before is not None else "blocks"
     preserved = report.output_change is not None and report.output_change <= PRESERVE_TOLERANCE
-    # DeepNorm's branch scales (1/alpha, with alpha folded into the weights) are part of an exact reparameterisation.
     # DeepNorm's branch scales (1/alpha, with alpha folded into the weights) are part of an exact reparameterisation,
     # added or removed with it.
     deepnormed = {b.path for b in report.converted if "deepnorm" in (b.before, b.after)}

@@ -103,10 +103,15 @@ class TransitionSpec:
             while the training loss has risen more than this above where the transition started, in the loss's
             own units (nats for a cross-entropy): the loss ``training_step`` returns, before the distillation
             term, averaged over each optimizer step's micro-batches and the ranks, its start the mean over the
-            transition's first ``LOSS_BASELINE_STEPS`` held-blend steps, its rise smoothed. The drift bounds
-            how far the function moves; this bounds what the move costs, which is what a migration is judged by
-            (a KL of 0.05 cost one held-out model +0.037). Endpoint steps (which train at blend 1) are not
-            counted. Logged as ``ln_placement/loss_rise``. A resumed fit measures its start again.
+            transition's first ``LOSS_BASELINE_STEPS`` held-blend steps (a quarter of a shorter budget; the drift
+            alone gates the blend during them), its rise smoothed; a step whose loss is not finite is left out.
+            The drift bounds how far the function moves; this bounds what the move costs, which is what a
+            migration is judged by (a KL of 0.05 cost one held-out model +0.037). Endpoint steps (which train at
+            blend 1) are not counted. Logged as ``ln_placement/loss_rise``. A resumed fit measures its start
+            again (said at INFO): a rise before the resume is then part of the new start, so across resumes the
+            loss can rise by more than this. It needs the distillation's hooks (automatic optimisation, a
+            ``training_step`` that calls the module, an unsharded model); where they can't run, a warning says
+            the closed loop runs without its tolerances.
     """
 
     steps: int

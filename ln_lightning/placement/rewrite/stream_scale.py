@@ -18,7 +18,7 @@ the same before the head.
 These are the measurement as a standalone function, on an unconverted model: `examples/migrate_trained_methods.py`
 builds the study's candidate migrations from them, and the tests compute the scales independently with them.
 `LNPlacement`'s transition measures the same quantities itself, inside the blend, on its first training batch
-(`placement.blend.Transition.begin_measurement`; `branch_scale="stream"`).
+(`placement.migrate.blend.Transition.begin_measurement`; `branch_scale="stream"`).
 """
 
 from __future__ import annotations
