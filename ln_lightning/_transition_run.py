@@ -100,9 +100,12 @@ class TransitionRun:
             self._end_measurement(trainer, t)
         distill = self.distill
         if distill is not None and distill.active and distill.off_reason is None and not distill.distilled_once:
-            # The first batch ran without a call of the LightningModule itself inside training_step.
-            distill.off_reason = ("training_step did not call the LightningModule itself (self(...)) in its first batch, "
-                                  "so there was nothing to compare with the trained function")
+            # The first batch ran without a call of the LightningModule itself inside training_step (in train mode).
+            distill.off_reason = (
+                "the LightningModule was in eval mode in training_step (Lightning keeps the mode it was given: call "
+                "model.train() before fit), and the comparison runs on training forwards only" if not pl_module.training
+                else "training_step did not call the LightningModule itself (self(...)) in its first batch, so there "
+                     "was nothing to compare with the trained function")
         if distill is not None and distill.active and distill.off_reason is not None:
             distill.stop(keep=False)
             self._warn_no_distillation(trainer, distill.off_reason, t, self.spec.loss_tolerance)

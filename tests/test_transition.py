@@ -1037,6 +1037,15 @@ def test_the_default_transition_takes_a_training_step_without_batch_idx(tmp_path
     assert rec.kl[1] is not None and "training_step" not in vars(module)
 
 
+def test_distillation_of_a_module_left_in_eval_mode_says_so(tmp_path):
+    """A LightningModule handed to fit in eval mode stays in it (Lightning keeps the mode): the distillation, which
+    compares training forwards, can't run, and the warning names the mode, not a missing self(...) call."""
+    module = LM("demo").eval()
+    with pytest.warns(LNLightningWarning, match="without distillation.*in eval mode in training_step.*model.train"):
+        trainer(tmp_path, LNPlacement("pre", transition=TransitionSpec(steps=3, tolerance=None), fused=False,
+                                      log_report=False), max_steps=2).fit(module, train_dataloaders=loader())
+
+
 def test_distillation_without_a_call_of_the_module_itself_is_reported(tmp_path):
     class CallsInner(LM):  # training_step calls self.model(x), not self(x): no output of the module to distil
         def _logits_and_loss(self, b):
