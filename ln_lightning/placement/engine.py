@@ -291,6 +291,9 @@ def convert(
     layerscale_init, mix_post_blocks, norm_scale = _value(layerscale_init), _value(mix_post_blocks), _value(norm_scale)
     validate_options(placement, final_norm=final_norm, branch_scale=branch_scale, strict=strict, layerscale_init=layerscale_init,
                      mix_post_blocks=mix_post_blocks, norm_scale=norm_scale)
+    # The request, spelled once: what the report's options and the model's record are (its serialised form).
+    spec = PlacementSpec(placement, final_norm=final_norm, branch_scale=branch_scale, layerscale_init=layerscale_init,
+                         mix_post_blocks=mix_post_blocks, norm_scale=norm_scale)
     if isinstance(model._modules.get("ln_lightning_transition"), nn.Module):
         # Mid-transition the blocks compute a blend; rewriting them now would leave it half-undone.
         raise PlacementError(
@@ -313,22 +316,18 @@ def convert(
     with _one_thread():  # the snapshot too: its copies of every module's dicts would set off a full collection
         snapshot = Snapshot(model)
         try:
-            return _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks,
-                            norm_scale)
+            return _convert(model, spec, strict, example_input)
         except BaseException:
             snapshot.restore()  # whatever failed, and wherever: the model is exactly as it was
             raise
 
 
-def _convert(model, placement, final_norm, branch_scale, strict, example_input, layerscale_init, mix_post_blocks=None,
-             norm_scale=None) -> ConversionReport:
-    options = {"final_norm": final_norm, "branch_scale": branch_scale, "strict": strict}
-    if layerscale_init is not None:
-        options["layerscale_init"] = layerscale_init
-    if mix_post_blocks is not None:
-        options["mix_post_blocks"] = mix_post_blocks
-    if norm_scale is not None:
-        options["norm_scale"] = norm_scale
+def _convert(model, spec: PlacementSpec, strict: bool, example_input) -> ConversionReport:
+    placement, final_norm, branch_scale = spec.placement, spec.final_norm, spec.branch_scale
+    layerscale_init, mix_post_blocks, norm_scale = spec.layerscale_init, spec.mix_post_blocks, spec.norm_scale
+    config = dict(spec.config)
+    del config["placement"]
+    options = {"final_norm": config.pop("final_norm"), "branch_scale": config.pop("branch_scale"), "strict": strict, **config}
     report = ConversionReport(model=type(model).__name__, placement=placement, options=options)
     example = example_of(model, example_input)
     found = _discover(model, example)
@@ -423,25 +422,18 @@ def _convert(model, placement, final_norm, branch_scale, strict, example_input, 
                 f"stack by 1/sqrt(l) ({len(scaled)} block(s) scaled): a training-dynamics choice that changes what a trained "
                 "model computes, not a rewrite that keeps its function; train or fine-tune after converting")
     if report.changed:
-        _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report, norm_scale)
+        _record(model, spec, report)
     return report
 
 
-def _record(model, placement, final_norm, branch_scale, layerscale_init, mix_post_blocks, report: ConversionReport,
-            norm_scale=None) -> None:
+def _record(model, spec: PlacementSpec, report: ConversionReport) -> None:
     """Say on the model what it now computes (its RewriteState, ln_lightning.placement.state), so LNPlacement,
     checkpoints and export can tell a converted model from a fresh one. The marker is LNPlacement's to add."""
     previous = rewrite_state.of(model)
-    if placement == "post" and all(b.after == "post" for b in report.blocks):
+    if spec.placement == "post" and all(b.after == "post" for b in report.blocks):
         rewrite_state.detach(model)  # back to the model as it was written
         return
-    config = {"placement": placement, "final_norm": final_norm, "branch_scale": branch_scale}
-    if layerscale_init is not None:
-        config["layerscale_init"] = layerscale_init
-    if mix_post_blocks is not None:
-        config["mix_post_blocks"] = mix_post_blocks
-    if norm_scale is not None:
-        config["norm_scale"] = norm_scale
+    config = spec.config
     converted = [(b.path, b.from_written) for b in report.converted]
     added, derived = list(report.added), dict(report.derived)
     if previous is not None:  # converted again: what the earlier rewrite did is still there
