@@ -363,7 +363,7 @@ def rms_norm_backward_cases(full: bool) -> Iterator[Case]:
                     if kind != "aligned":
                         tag += f" [{kind} width]"
                     if rows != 8:
-                        tag += f" [rows_per_program={launch.args[-2]}]"
+                        tag += f" [rows_per_program={launch.args[-1]}]"
                     yield Case("rms_norm_bwd", label + tag, n, launch, ci and grads and (kind, rows) == (primary, 8))
 
 
