@@ -171,7 +171,9 @@ class TransitionRun:
                 drift = torch.zeros((), device=t.blend.device)
             drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
             allow = None
-            if self.loss_gate is not None and loss is not None:
+            if self.loss_gate is not None:
+                if loss is None:  # no loss seen on this rank: NaN, which the gate leaves out (every rank reduces alike)
+                    loss = torch.full((), float("nan"), device=t.blend.device)
                 allow = self.loss_gate.update(trainer.strategy.reduce(loss, reduce_op="mean"))
                 if self.loss_gate.rise is not None:
                     pl_module.log("ln_placement/loss_rise", self.loss_gate.rise.clone(), on_step=True, on_epoch=False)
