@@ -518,3 +518,43 @@ def test_a_non_finite_loss_is_left_out_of_the_loss_gate():
     expected.append(0.9 * expected[-1] + 0.1 * 1.0)
     assert [bool(v) for v in verdicts[2:]] == [r <= 0.1 for r in expected] == [True, True, True, False]
     assert gate.read() == pytest.approx(expected[-1], rel=1e-6)
+
+
+class _RankRisingLoss(LM):
+    """lr 0; from step 3 on, rank 1's training_step loss is 1 nat higher (rank 0's unchanged): a rise of 0.5 over ranks."""
+
+    def training_step(self, b, batch_idx):
+        bump = 1.0 if self.global_rank == 1 and self.global_step >= 3 else 0.0
+        return super().training_step(b, batch_idx) + bump
+
+
+class _BlendFile(Callback):
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        t = transition.active(pl_module)
+        Path(self.out, f"blend_rank{trainer.global_rank}.json").write_text(json.dumps(None if t is None else t.blend.item()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_tolerance, holds", [(0.4, True), (0.6, False)])
+def test_the_loss_gate_judges_the_mean_over_ranks_alike_on_every_rank(tmp_path, loss_tolerance, holds):
+    """Two processes (ddp_spawn, gloo): the loss rises on rank 1 only, by 1, so the mean over ranks rises by 0.5. At a
+    loss tolerance of 0.4 the blend holds after the start's 3 steps (12 // 4), at 0.6 it goes on; either way every
+    rank holds the same blend (a rank gating on its own loss would split them)."""
+    from lightning.pytorch import Trainer
+
+    spec = TransitionSpec(steps=12, tolerance=100.0, endpoint_fraction=0.0, loss_tolerance=loss_tolerance)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LNLightningWarning)
+        Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=8, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
+                default_root_dir=tmp_path, plugins=[LNPlacement("pre", transition=spec, fused=False, log_report=False)],
+                callbacks=[_BlendFile(str(tmp_path))]).fit(_RankRisingLoss("demo", lr=0.0), train_dataloaders=loader())
+    blends = [json.loads(Path(tmp_path, f"blend_rank{r}.json").read_text()) for r in range(2)]
+    assert blends[0] == blends[1]
+    if holds:
+        assert blends[0] == pytest.approx(3 * spec.rate(), rel=1e-6)
+    else:  # 1/6 a step from step 0: blend 1 by step 6 (the transition then ends at its next read, or stays at 1)
+        assert blends[0] is None or blends[0] == 1.0
