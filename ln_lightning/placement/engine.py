@@ -26,7 +26,8 @@ from ln_lightning.placement.rewrite import deepnorm, hooks, ln_scaling
 from ln_lightning.placement import state as rewrite_state
 from ln_lightning.placement.reading.blocks import Handler, ScaleFactory, TorchLayerHandler
 from ln_lightning.placement.checking.checks import CheckFailed, relative_error, tolerance
-from ln_lightning.placement.reading.discovery import CONTAINERS, Example, Found, Stack, discover, eval_no_grad, synthetic_probe
+from ln_lightning.placement.reading.discovery import (CONTAINERS, Example, Found, Stack, discover, eval_no_grad, holders_of,
+                                                      synthetic_probe)
 from ln_lightning.placement.errors import PlacementError
 from ln_lightning.placement.reading.norms import norm_types
 from ln_lightning.placement.options import mix_split, validate_options
@@ -94,17 +95,7 @@ def made_up_example(model: nn.Module) -> Example | None:
         return None
     n = min(m.num_embeddings for m in embeddings)
     ids = torch.randint(0, n, (2, 8), generator=torch.Generator().manual_seed(0)).to(embeddings[0].weight.device)
-    holding = set()  # ids of the modules that hold an embedding, in one walk
-
-    def walk(m: nn.Module) -> bool:
-        has = isinstance(m, nn.Embedding)
-        for c in m.children():
-            has = walk(c) or has
-        if has:
-            holding.add(id(m))
-        return has
-
-    walk(model)
+    holding = holders_of(model, nn.Embedding)
     paths = [p for p, m in model.named_modules() if not isinstance(m, (nn.Embedding, *CONTAINERS)) and id(m) in holding]
     return Example(ids, paths[0], made_up=True, fallbacks=paths[1:], source="made up") if paths else None
 

@@ -33,6 +33,11 @@ LOSS_BASELINE_STEPS = 8
 REFERENCES = ("trained", "current")
 
 
+def _positive(value) -> bool:
+    """A finite number above 0 (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
 @dataclass(frozen=True)
 class TransitionSpec:
     """A function-preserving transition from the placement a model is written in to the requested one.
@@ -131,7 +136,7 @@ class TransitionSpec:
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
             raise ValueError(f"TransitionSpec: steps must be a positive int (optimizer steps) of at most 2**63 - 1, got {steps!r}.")
         tol = self.tolerance
-        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0 < tol < math.inf)):
+        if tol is not None and not _positive(tol):
             raise ValueError(f"TransitionSpec: tolerance must be a positive number (nats of KL per position) or None "
                              f"(the open loop), got {tol!r}.")
         if isinstance(self.ramp, bool) or not isinstance(self.ramp, (int, float)) or not 0 < self.ramp <= 1:
@@ -153,7 +158,7 @@ class TransitionSpec:
             raise ValueError(f"TransitionSpec: reference must be one of {', '.join(map(repr, REFERENCES))}, got {self.reference!r}.")
         k = self.training_drift_factor
         if k is not None:
-            if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 < k < math.inf:
+            if not _positive(k):
                 raise ValueError(f"TransitionSpec: training_drift_factor must be a positive number or None (a fixed "
                                  f"tolerance), got {k!r}.")
             if tol is None:
@@ -168,7 +173,7 @@ class TransitionSpec:
             raise ValueError(f"TransitionSpec: training_drift_every must be a positive int (optimizer steps), got {every!r}.")
         lt = self.loss_tolerance
         if lt is not None:
-            if isinstance(lt, bool) or not isinstance(lt, (int, float)) or not 0 < lt < math.inf:
+            if not _positive(lt):
                 raise ValueError(f"TransitionSpec: loss_tolerance must be a positive number (the loss's units) or None "
                                  f"(the drift alone gates the blend), got {lt!r}.")
             if tol is None:

@@ -96,7 +96,12 @@ def _contains_norm(m: nn.Module) -> bool:
 
 def norm_holders(root: nn.Module) -> set[int]:
     """Ids of the modules under `root` (itself included) that hold a norm: one walk, not one per question."""
-    types, out = norm_types(), set()
+    return holders_of(root, norm_types())
+
+
+def holders_of(root: nn.Module, types) -> set[int]:
+    """Ids of the modules under `root` (itself included) that hold a module of `types`, in one walk."""
+    out = set()
 
     def walk(m: nn.Module) -> bool:
         has = isinstance(m, types)
