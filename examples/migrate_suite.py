@@ -3,7 +3,8 @@ loss is flat, each continued from its plain Lightning checkpoint in every migrat
 continuing unchanged.
 
 The models (examples/migrate_suite/suite_models.py), and the split, fixed before any method was tuned:
-  TUNING half (methods may be chosen on these):  charlm, bert_mlm, encoder_cls;
+  TUNING half (methods may be chosen on these):  charlm, bert_mlm, encoder_cls
+                                                 (+ xt_encoder_mlm, marian_seq2seq: added after order 10, HALVES_ADDED);
   HELD-OUT half (reported untouched):            deep_dropout_lm, bart_denoise, xt_decoder.
 
 1. Pretrain each model once per seed (no ln_lightning), warmup then a cosine decay of the learning rate to a floor,
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -47,7 +49,16 @@ CONT_SEED = 100  # the continuation of seed s runs with seed CONT_SEED + s (the 
 UNITS_FWD, UNITS_BWD = 1, 2
 
 # The split, fixed before any method was tuned (recorded in results.json with the commit that added it).
-HALVES = {"tuning": ("charlm", "bert_mlm", "encoder_cls"), "held-out": ("deep_dropout_lm", "bart_denoise", "xt_decoder")}
+HALVES = {"tuning": ("charlm", "bert_mlm", "encoder_cls", "xt_encoder_mlm", "marian_seq2seq"),
+          "held-out": ("deep_dropout_lm", "bart_denoise", "xt_decoder")}
+# Models added to a half after the split was fixed (the split at dbd684d stays as it was for everything before).
+HALVES_ADDED = [
+    {"half": "tuning", "models": ["xt_encoder_mlm", "marian_seq2seq"], "date": "2026-12-06", "commit": "ORDER11_COMMIT",
+     "why": "added after order 10, before any of their runs, because the tuning half could no longer tell methods apart "
+            "(order 9: the loss gate and the default both met 6 of 6 and tied); the held-out xt_decoder's failure under "
+            "the default motivated including an x-transformers model (an encoder, not the held-out decoder), and the "
+            "issue's 'BART or Marian' a Marian seq2seq one (post-norm both)"},
+]
 
 CALIBRATION_ARMS = ("calib_S0.6_t0.05", "calibpc_S0.6_t0.05")  # endpoint calibration (their settings: CALIBRATION)
 PATH_CALIBRATION_ARMS = ("calibpath_S0.6_t0.05",)  # tried after them (order 5)
@@ -56,6 +67,8 @@ GOAL_TOLERANCE_ARM = "closed_S0.6_t0.03"  # the closed loop at a tolerance equal
 TRAINING_DRIFT_ARM = "closed_S0.6_t0.03_k2"
 # The closed loop gated on the training loss's rise as well as on the drift (TransitionSpec.loss_tolerance) (order 9).
 LOSS_GATE_ARM = "closed_S0.6_t0.05_L0.02"
+# The loss gate at the goal's own excess, 0.03, as its tolerance (order 11; fixed, not tuned).
+GOAL_LOSS_GATE_ARM = "closed_S0.6_t0.05_L0.03"
 
 # The order in which methods were tried, and on which half each was chosen (appended as methods are tried).
 METHODS_TRIED = [
@@ -170,6 +183,23 @@ METHODS_TRIED = [
              "goal's excess while it blended; deep_dropout_lm meets at both budgets (worst +0.023 / +0.009); bart_denoise "
              "meets at B600 and fails B300 by its final loss (+0.0226 over unchanged against a band of 0.02; the default's "
              "+0.0172). On the model the default fails, the loss gate turns a silent excess into a stall it reports"},
+    {"order": 11, "arms": [LOSS_GATE_ARM, GOAL_LOSS_GATE_ARM],
+     "on": "the TUNING half, enlarged by xt_encoder_mlm and marian_seq2seq (their baselines and closed_S0.6_t0.05 too)",
+     "note": "registered before any of its runs and before the two models' runs. After order 10: every tuning model met "
+             "the goal under the default, so the tuning half could not tell methods apart (order 9 tied); it gains two "
+             "post-norm models, fixed before any of their runs (HALVES_ADDED; the held-out xt_decoder's failure under the "
+             "default motivated including an x-transformers model, so the enlarged tuning half is not blind to it). "
+             "On xt_encoder_mlm and marian_seq2seq: unchanged, hard, default, default_long, closed_S0.6_t0.05, "
+             "closed_S0.6_t0.05_L0.02 and closed_S0.6_t0.05_L0.03; on charlm, bert_mlm and encoder_cls: "
+             "closed_S0.6_t0.05_L0.03 (their other rows exist). closed_S0.6_t0.05_L0.03: closed_S0.6_t0.05 with "
+             "TransitionSpec(loss_tolerance=0.03), the loss tolerance equal to the goal's own excess (0.03), fixed now, not "
+             "tuned. The rule, fixed before the runs: among closed_S0.6_t0.05 (the incumbent), closed_S0.6_t0.05_L0.02 and "
+             "closed_S0.6_t0.05_L0.03, over the enlarged tuning half (5 models x budgets 300 and 600, seed 0: 10 runs "
+             "each): most runs meeting the goal (blend 1 reached included), then the smaller largest band share (worst "
+             "excess / max(0.03, 2 x unchanged's worst)), a win needing WIN_MARGIN (0.05) of the band; a tie keeps the "
+             "incumbent. Only if a loss-gated arm wins does it run on the HELD-OUT half (xt_decoder first), labelled: the "
+             "loss gate was run there before as order 10's diagnostic, so the held-out half is not untouched for this "
+             "family; a change of the library's default is the lead's decision, not this order's"},
 ]
 
 
@@ -245,6 +275,9 @@ ARMS[LOSS_GATE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B
                        "resume_unconverted=True): the closed loop of closed_S0.6_t0.05 whose blend also holds while the "
                        "smoothed training loss (training_step's, before the distillation term) is more than 0.02 above its "
                        "mean over the transition's first 8 held-blend steps", _closed_loss_gated(0.6, 0.05, 0.02))
+ARMS[GOAL_LOSS_GATE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, loss_tolerance=0.03), '
+                            "resume_unconverted=True): closed_S0.6_t0.05_L0.02's loss gate at the goal's own excess (0.03) "
+                            "as its loss tolerance", _closed_loss_gated(0.6, 0.05, 0.03))
 
 # Endpoint calibration (examples/migrate_suite/endpoint_calibration.py): the closed loop of closed_S0.6_t0.05, plus a fit
 # of the end point's own parameters (branch scales C_k, the added final norm's gain and bias) to the trained function
@@ -316,9 +349,11 @@ def band_share(run: dict) -> float:
 def pick_on_tuning(runs: list[dict]) -> str | None:
     """The tuned arm the latest order's rule picks from the TUNING half's runs: among the incumbent and the arms
     tried last, most verdicts met, then the smaller largest band share, by WIN_MARGIN at least (else the incumbent).
-    (Orders 2-7 took the raw worst excess; their picks are in METHODS_TRIED's notes.)"""
-    latest = set(METHODS_TRIED[-1]["arms"]) | {INCUMBENT}
-    tuned = {r["arm"] for r in runs if r["arm"] in latest and r["half"] == "tuning" and r.get("verdict")}
+    (Orders 2-7 took the raw worst excess; their picks are in METHODS_TRIED's notes.) The arms are compared in a
+    fixed order (the incumbent, then the order's), so an exact tie between two challengers goes to the first listed."""
+    latest = [INCUMBENT] + [a for a in METHODS_TRIED[-1]["arms"] if a != INCUMBENT]
+    present = {r["arm"] for r in runs if r["half"] == "tuning" and r.get("verdict")}
+    tuned = [a for a in latest if a in present]
     if not tuned:
         return None
 
@@ -605,8 +640,26 @@ def analyse_arm(r: dict, level: float) -> dict:
     }
 
 
+_SAID_SO = re.compile(r"at step (\d+) of its (\d+)-step budget")
+
+
+def said_so_at(warnings_: list[str]) -> tuple[int, int] | None:
+    """The first part-way warning that the transition would not finish: (its transition step, the budget in steps),
+    from the plugin's text 'at step s of its S-step budget ... will stop where it stands ... not finish' (the
+    closed loop's, recorded per run in `warnings`), where s < S; None if the run raised none."""
+    for w in warnings_ or []:
+        m = _SAID_SO.search(w)
+        if m and "not finish" in w and int(m.group(1)) < int(m.group(2)):
+            return int(m.group(1)), int(m.group(2))
+    return None
+
+
 def verdict(a: dict, u: dict) -> dict:
-    """Issue 31's goal for arm `a` against the unchanged run `u` of the same model, budget and seed."""
+    """Issue 31's goal for arm `a` against the unchanged run `u` of the same model, budget and seed.
+
+    `said_so` (additive; `ok` is unchanged by it): the run stopped short of blend 1, warned before its budget's end
+    that it would not finish, and held the goal's excess and final checks: the acceptance's "where a model cannot
+    meet it within the budget, the run says so before the budget ends"."""
     band = max(0.0, u["worst_excess"])
     tol_excess = max(GOAL_EXCESS, 2 * band)
     tol_final = max(GOAL_FINAL, 2 * band)
@@ -617,8 +670,24 @@ def verdict(a: dict, u: dict) -> dict:
               # a transition that stays short of blend 1 has not migrated the model (the closed loop may stop there)
               "finished": a.get("blend_reached") in (None, 1.0)}
     why = [w for w, ok in checks.items() if not ok]
+    warned = said_so_at(a.get("warnings"))
+    said_so = (not checks["finished"]) and warned is not None and checks["excess"] and checks["final"]
     return {"ok": all(checks.values()), "why": ", ".join(why) if why else "meets the goal", "tol_excess": tol_excess,
-            "tol_final": tol_final, "final_minus_unchanged": d_final, **{f"{k}_ok": v for k, v in checks.items()}}
+            "tol_final": tol_final, "final_minus_unchanged": d_final, **{f"{k}_ok": v for k, v in checks.items()},
+            "said_so": said_so, "said_so_at": list(warned) if said_so else None}
+
+
+def verdict_text(v: dict | None) -> str:
+    """A verdict in words: meets, or fails (why); a run that stopped short within the goal and said so in time says so."""
+    if v is None:
+        return "—"
+    if v["ok"]:
+        return "meets"
+    txt = f"fails ({v['why']})"
+    if v.get("said_so"):
+        s, S = v["said_so_at"]
+        txt += f" — stopped short within the goal, said so at step {s} of {S}"
+    return txt
 
 
 def analyse(raw: dict, models: list[str], seeds: list[int], budgets_of: dict) -> dict:
@@ -661,6 +730,9 @@ def render_markdown(res: dict) -> str:
     L = ["# Migration suite (issue 31)", ""]
     L.append(f"Split fixed at {res['split']['fixed_at']}, before tuning: TUNING half {', '.join(res['split']['tuning'])}; "
              f"HELD-OUT half {', '.join(res['split']['held-out'])} (reported untouched: no method was chosen on them).")
+    for add in res["split"].get("added", []):
+        L.append(f"Added to the {add['half'].upper()} half on {add['date']} at {add['commit']}, after the split: "
+                 f"{', '.join(add['models'])}: {add['why']}.")
     L.append("")
     L.append("Order in which methods were tried:")
     L.append("")
@@ -694,7 +766,7 @@ def render_markdown(res: dict) -> str:
                      f"FAILED: {r.get('error')} |")
             continue
         v = r.get("verdict")
-        vtxt = "—" if v is None else ("meets" if v["ok"] else f"fails ({v['why']})")
+        vtxt = verdict_text(v)
         dfin = "" if v is None or "final_minus_unchanged" not in v else f"{v['final_minus_unchanged']:+.4f}"
         te = "" if r["transition_end"] is None else str(r["transition_end"])
         br = "" if r["blend_reached"] is None else f"{r['blend_reached']:.3f}"
@@ -707,8 +779,12 @@ def render_markdown(res: dict) -> str:
         if not rows:
             continue
         ok = [r for r in rows if r["verdict"]["ok"]]
-        bad = [f"{r['model']} B{r['budget']} s{r['seed']} ({r['verdict']['why']})" for r in rows if not r["verdict"]["ok"]]
-        L.append(f"- `{arm}`: meets the goal in {len(ok)} of {len(rows)} runs" + (f"; fails on {'; '.join(bad)}." if bad else "."))
+        bad = [f"{r['model']} B{r['budget']} s{r['seed']} ({r['verdict']['why']}"
+               + (f"; stopped short within the goal, said so at step {r['verdict']['said_so_at'][0]} of {r['verdict']['said_so_at'][1]}"
+                  if r["verdict"].get("said_so") else "") + ")" for r in rows if not r["verdict"]["ok"]]
+        said = [r for r in rows if r["verdict"].get("said_so")]
+        L.append(f"- `{arm}`: meets the goal in {len(ok)} of {len(rows)} runs" + (f"; fails on {'; '.join(bad)}" if bad else "")
+                 + (f"; of those, {len(said)} stopped short within the goal and said so before the budget's end" if said else "") + ".")
     kl0 = [r for r in res["runs"] if r.get("distill_kl_first") is not None]
     if kl0:
         L += ["", "The distillation term at the transition's first logged step (0 where teacher and student agree): "
@@ -823,8 +899,7 @@ def main(argv=None) -> int:
     all_seeds = sorted({k[3] for k in raw})
     res = {
         "issue": 31, "quick": args.quick,
-        "split": {"fixed_at": git_commit_of(HERE / "migrate_suite" / "suite_models.py") or "(not committed yet)",
-                  **{h: list(ms) for h, ms in HALVES.items()}},
+        "split": split_record(),
         "methods_tried": METHODS_TRIED, "picked_on_tuning": PICKED, "history": HISTORY,
         "models": {n: {"half": half_of(n), "kind": sm.SUITE[n].kind, "arch": {**sm.SUITE[n].arch, **hps[n].get("arch", {})},
                        "hparams": {k: v for k, v in hps[n].items() if k != "arch"}, "budgets": budgets_of[n]} for n in all_models},
@@ -840,19 +915,50 @@ def main(argv=None) -> int:
     return 0
 
 
+def split_record(fixed_at: str | None = None) -> dict:
+    """The split as results.json records it: where it was fixed, the halves now, and the models added since."""
+    return {"fixed_at": fixed_at or git_commit_of(HERE / "migrate_suite" / "suite_models.py") or "(not committed yet)",
+            **{h: list(ms) for h, ms in HALVES.items()}, "added": HALVES_ADDED}
+
+
 def merge_into(path: Path, out: Path, arms: list[str]) -> int:
     """Add the runs of `arms` in `out`/runs to the results.json at `path`: each analysed against that file's pretrained
     level and unchanged run of its model and budget, refused where this run's pretrained checkpoint's held-out loss (its
-    unchanged run's, where `out` holds one) differs from the file's. The methods tried, the arms, the history and the
-    rule's pick are this script's."""
+    unchanged run's, where `out` holds one) differs from the file's. A model the file lacks (added to the suite since,
+    HALVES_ADDED) comes whole from `out`: its pretraining, and its unchanged runs where `arms` names "unchanged". A row
+    of the same model, arm, budget and seed is replaced; every other row stays. Every verdict is computed again (the
+    same ok and why, or the merge stops). The methods tried, the arms, the split, the history and the rule's pick are
+    this script's."""
     res = json.loads(path.read_text())
-    runs = [r for r in res["runs"] if r["arm"] not in arms]
-    for f in sorted((out / "runs").glob("*.json")):
+    sm = _suite()
+    # models added to the suite since the file was written (HALVES_ADDED): their pretraining and every run come from `out`
+    for f in sorted((out / "runs").glob("*_pretrain_seed*.json")):
         r = json.loads(f.read_text())
-        if r["arm"] not in arms:
+        name = r["model"]
+        if name in res["models"]:
+            continue
+        hp = sm.SUITE[name].hp(False)
+        res["models"][name] = {"half": half_of(name), "kind": sm.SUITE[name].kind, "arch": {**sm.SUITE[name].arch, **hp.get("arch", {})},
+                               "hparams": {k: v for k, v in hp.items() if k != "arch"}, "budgets": list(hp["budgets"])}
+        res["pretrain"][f"{name}_seed{r['seed']}"] = analyse_pretrain(r)
+    res["split"] = split_record(res["split"]["fixed_at"])
+    new_rows = []
+    files = sorted((out / "runs").glob("*.json"), key=lambda f: "unchanged" not in f.name)  # unchanged rows first
+    for f in files:
+        r = json.loads(f.read_text())
+        if r["arm"] not in arms or r["arm"] == "pretrain":
             continue
         key = f"{r['model']}_seed{r['seed']}"
         level = res["pretrain"][key]["eval_end"]
+        if r["arm"] == "unchanged":
+            if any((x["model"], x["arm"], x["budget"], x["seed"]) == (r["model"], "unchanged", r["budget"], r["seed"]) for x in res["runs"]):
+                raise SystemExit(f"{f.name}: the file has this model's unchanged run; merge another model's, or none")
+            a = analyse_arm(r, level)
+            a["same_batches"] = True
+            row = {"model": r["model"], "half": half_of(r["model"]), "budget": r["budget"], "seed": r["seed"], "arm": "unchanged", **a}
+            res["runs"].append(row)
+            new_rows.append(row)
+            continue
         u = next(x for x in res["runs"] if (x["model"], x["arm"], x["budget"], x["seed"]) == (r["model"], "unchanged", r["budget"], r["seed"]))
         a = analyse_arm(r, level)
         if a.get("training_drift_forwards") is None and r["arm"] == TRAINING_DRIFT_ARM:
@@ -871,7 +977,18 @@ def merge_into(path: Path, out: Path, arms: list[str]) -> int:
             a["same_batches"] = r["batch_sum"][:n] == ur["batch_sum"][:n]
         row = {"model": r["model"], "half": half_of(r["model"]), "budget": r["budget"], "seed": r["seed"], "arm": r["arm"], **a,
                "verdict": verdict(a, u)}
-        runs.append(row)
+        new_rows.append(row)
+    new_keys = {(x["model"], x["arm"], x["budget"], x["seed"]) for x in new_rows}
+    runs = [x for x in res["runs"] if (x["model"], x["arm"], x["budget"], x["seed"]) not in new_keys] + new_rows
+    # every verdict again, by this script's verdict() (which adds said_so): what the goal says of a row must not change
+    for x in runs:
+        if x.get("verdict") is None or "final" not in x:
+            continue
+        u = next(y for y in runs if (y["model"], y["arm"], y["budget"], y["seed"]) == (x["model"], "unchanged", x["budget"], x["seed"]))
+        v = verdict(x, u)
+        if v["ok"] != x["verdict"]["ok"] or v["why"] != x["verdict"]["why"]:
+            raise SystemExit(f"{x['model']} {x['arm']} B{x['budget']}: the verdict changed on re-analysis ({x['verdict']['why']} -> {v['why']})")
+        x["verdict"] = v
     order = {a: i for i, a in enumerate(ARMS)}
     names = list(res["models"])
     runs.sort(key=lambda x: (names.index(x["model"]), x["budget"], x["seed"], order.get(x["arm"], len(order))))

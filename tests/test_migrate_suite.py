@@ -19,10 +19,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "migrate_suite.py"
-MODELS = {"charlm", "bert_mlm", "encoder_cls", "deep_dropout_lm", "bart_denoise", "xt_decoder"}
+MODELS = {"charlm", "bert_mlm", "encoder_cls", "deep_dropout_lm", "bart_denoise", "xt_decoder", "xt_encoder_mlm", "marian_seq2seq"}
 ARMS = {"unchanged", "hard", "default", "default_long", "closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02",
         "closed_S0.6_t0.05", "closed_S0.6_t0.03", "calib_S0.6_t0.05", "calibpc_S0.6_t0.05", "calibpath_S0.6_t0.05", "closed_S0.6_t0.03_k2",
-        "closed_S0.6_t0.05_L0.02"}
+        "closed_S0.6_t0.05_L0.02", "closed_S0.6_t0.05_L0.03"}
 TUNED = ("closed_", "calib")  # arms tuned on the tuning half: on the held-out half only the one picked there runs
 
 
@@ -45,6 +45,8 @@ def test_migrate_suite_quick(tmp_path):
     assert set(res["split"]["tuning"]) | set(res["split"]["held-out"]) == MODELS
     assert not set(res["split"]["tuning"]) & set(res["split"]["held-out"])
     assert res["split"]["fixed_at"] and res["methods_tried"] and res["methods_tried"][0]["order"] == 1
+    # models added after the split are recorded with the half they joined
+    assert {m for add in res["split"]["added"] for m in add["models"]} <= set(res["split"][res["split"]["added"][0]["half"]])
     assert set(res["models"]) == MODELS and {m["half"] for m in res["models"].values()} == {"tuning", "held-out"}
     assert {k.rsplit("_seed", 1)[0] for k in res["pretrain"]} == MODELS
 
@@ -69,6 +71,9 @@ def test_migrate_suite_quick(tmp_path):
             assert isinstance(v["ok"], bool) and v["why"] and v["tol_excess"] >= 0.03 and v["tol_final"] >= 0.02
             assert v["final_minus_unchanged"] == pytest.approx(r["final"] - unchanged["final"])
             assert 0.0 <= r["blend_reached"] <= 1.0 and v["finished_ok"] == (r["blend_reached"] == 1.0)
+            # "stopped short, said so": only of a run short of blend 1 that held the excess and final checks
+            assert isinstance(v["said_so"], bool)
+            assert not v["said_so"] or (not v["finished_ok"] and v["excess_ok"] and v["final_ok"] and v["said_so_at"][0] < v["said_so_at"][1])
         if r["arm"] in ("default", "default_long") or r["arm"].startswith(TUNED):
             # blend 0 is the trained function: the held-out loss at the switch is the unchanged run's
             assert r["at_switch"] == pytest.approx(unchanged["at_switch"], abs=1e-5)

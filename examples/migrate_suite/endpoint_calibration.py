@@ -271,14 +271,21 @@ class EndpointCalibration(Callback):
                 evals = self.evals
                 if self.budget_left is not None:  # a teacher forward per batch, then (1 + 2) per batch per evaluation
                     evals = min(evals, int((self.budget_left() - len(self.inputs)) // (3 * len(self.inputs) * len(self.blends))))
+                spent = [0.0]
+
+                def spend(units):  # what this calibration spent, recorded even where it stops with an error
+                    spent[0] += units
+                    if self.spend is not None:
+                        self.spend(units)
+
                 try:
                     if evals < 2:
                         raise CalibrationError(f"endpoint calibration: the run's compute left ({self.budget_left():.0f} units) "
                                                "does not pay for two evaluations")
                     r = calibrate(pl_module, list(self.inputs), evals=evals, per_channel=self.per_channel, blends=self.blends,
-                                  spend=self.spend)
-                except CalibrationError as e:
-                    r = {"error": str(e)}
+                                  spend=spend)
+                except CalibrationError as e:  # (a fit that stops part-way has spent compute: counted, and said)
+                    r = {"error": str(e), "units": spent[0]}
                 if self.heldout is not None:
                     with t.pinned(1.0):
                         diag["heldout_a1_after"] = self.heldout(pl_module)

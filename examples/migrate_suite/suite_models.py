@@ -7,8 +7,10 @@ generator keyed by the optimizer step, so every continuation arm trains on the s
 batches' masks are fixed. The learning rate warms up linearly, decays by a cosine to `lr_floor` x peak at
 `decay_steps` (the end of pretraining) and stays at that floor, where the continuations run.
 
-TUNING half (methods may be chosen on these): charlm, bert_mlm, encoder_cls.
-HELD-OUT half (reported untouched): deep_dropout_lm, bart_denoise, xt_decoder.
+TUNING half (methods may be chosen on these): charlm, bert_mlm, encoder_cls; xt_encoder_mlm and marian_seq2seq added
+2026-12-06 after order 10 (the three could no longer tell methods apart).
+HELD-OUT half (reported untouched by the choice; order 10 ran the loss gate there as a diagnostic): deep_dropout_lm,
+bart_denoise, xt_decoder.
 """
 
 from __future__ import annotations
@@ -101,6 +103,27 @@ def class_texts(chars_per_file: int) -> tuple[list[str], list[str]]:
         train.append(t[:split])
         val.append(t[split:])
     return train, val
+
+
+WORD_BREAKS = (ord(" "), ord("\n"), ord("\t"))
+
+
+def reverse_words(x: torch.Tensor) -> torch.Tensor:
+    """marian_seq2seq's target: each window with every run of non-blank characters reversed in place (a word cut by
+    the window's edge is reversed as far as it shows); blanks stay where they are."""
+    out = x.clone()
+    for i, row in enumerate(x.tolist()):
+        j, n = 0, len(row)
+        while j < n:
+            if row[j] in WORD_BREAKS:
+                j += 1
+                continue
+            k = j
+            while k < n and row[k] not in WORD_BREAKS:
+                k += 1
+            out[i, j:k] = torch.tensor(row[j:k][::-1])
+            j = k
+    return out
 
 
 def datasets(task: str, hp: dict) -> tuple[Dataset, Dataset]:
@@ -321,6 +344,65 @@ class XTDecoderSuite(SuiteModule):
         return _lm_loss(self(x), y)
 
 
+class XTEncoderMLMSuite(SuiteModule):
+    """(g) An x-transformers post-norm encoder masked char LM: `TransformerWrapper(attn_layers=Encoder(...,
+    pre_norm=False))`, BERT's 15% masking (as bert_mlm). Added to the TUNING half after order 10."""
+
+    salt = 6
+
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, block_size: int, **opt):
+        super().__init__(**opt)
+        self.save_hyperparameters()
+        import x_transformers as X
+
+        self.xt = X.TransformerWrapper(num_tokens=VOCAB + 2, max_seq_len=block_size,
+                                       attn_layers=X.Encoder(dim=d_model, depth=n_layers, heads=n_heads, pre_norm=False))
+
+    def forward(self, ids):
+        return self.xt(ids)
+
+    def batch_loss(self, batch, g):
+        inp, target = mlm_corrupt(batch[0], g)
+        return _lm_loss(self(inp), target)
+
+
+class MarianSeq2SeqSuite(SuiteModule):
+    """(h) Hugging Face `MarianMTModel` from a small `MarianConfig` (post-norm: its layers add the branch to the stream,
+    then normalise; the config of this transformers has no `normalize_before`, which older ones left False), on a
+    char-level "translation": each window to itself with every word reversed (`reverse_words`), the decoder fed the
+    target shifted right (teacher forcing, loss over every position). Added to the TUNING half after order 10."""
+
+    salt = 7
+
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, block_size: int, dropout: float, **opt):
+        super().__init__(**opt)
+        self.save_hyperparameters()
+        import transformers as T
+
+        cfg = T.MarianConfig(vocab_size=VOCAB + 3, decoder_vocab_size=VOCAB + 3, d_model=d_model, encoder_layers=n_layers,
+                             decoder_layers=n_layers, encoder_attention_heads=n_heads, decoder_attention_heads=n_heads,
+                             encoder_ffn_dim=4 * d_model, decoder_ffn_dim=4 * d_model, max_position_embeddings=block_size + 2,
+                             dropout=dropout, pad_token_id=VOCAB + 2, eos_token_id=VOCAB + 2, decoder_start_token_id=BOS_ID,
+                             forced_eos_token_id=None)
+        if getattr(cfg, "normalize_before", False):
+            raise ValueError("MarianConfig.normalize_before is True here: this model would be pre-norm, not the suite's post-norm")
+        self.marian = T.MarianMTModel(cfg)
+
+    def forward(self, input_ids, decoder_input_ids):
+        return self.marian(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
+
+    @staticmethod
+    def pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's input (BOS, then the target shifted right) and the target, for source windows `x`."""
+        target = reverse_words(x)
+        return torch.cat([torch.full_like(target[:, :1], BOS_ID), target[:, :-1]], 1), target
+
+    def batch_loss(self, batch, g):
+        x = batch[0]
+        dec, target = self.pair(x)
+        return _lm_loss(self(x, dec), target)
+
+
 # ------------------------------------------------------------------------------------------ the suite
 
 
@@ -332,7 +414,7 @@ class SuiteModel:
     half: str  # "tuning" or "held-out"
     kind: str  # what it is, in words
     cls: type
-    task: str  # "lm", "mlm", "cls", "denoise"
+    task: str  # "lm", "mlm", "cls", "denoise", "reverse"
     arch: dict
     full: dict  # pretrain, lr, warmup, batch_size, block_size, data sizes, budgets
     quick: dict = field(default_factory=dict)
@@ -349,6 +431,8 @@ class SuiteModel:
 _LM_DATA = dict(block_size=32, batch_size=16, max_chars=300_000, lr_floor=0.1, eval_batches=4, eval_every=20)
 _QUICK = dict(pretrain=16, warmup=4, max_chars=30_000, chars_per_file=4_000, batch_size=8, eval_batches=1, eval_every=3,
               budgets=(6, 12), arch=dict(n_layers=2, d_model=16, n_heads=2))
+
+XT_ENC_LAYERS, XT_ENC_PRETRAIN, MARIAN_PRETRAIN = 6, 3000, 3000  # (sized so each pretrains in <= ~6 min here)
 
 SUITE: dict[str, SuiteModel] = {m.name: m for m in [
     SuiteModel("charlm", "tuning", "the study's char LM (demo PostNormTransformerLM), no final norm", CharLMSuite, "lm",
@@ -375,6 +459,14 @@ SUITE: dict[str, SuiteModel] = {m.name: m for m in [
     SuiteModel("xt_decoder", "held-out", "x-transformers TransformerWrapper(Decoder(pre_norm=False)) char LM", XTDecoderSuite, "lm",
                dict(n_layers=6, d_model=64, n_heads=4),
                dict(_LM_DATA, pretrain=2400, lr=1e-3, warmup=100, budgets=(300, 600)), _QUICK),
+    # added to the TUNING half 2026-12-06, after order 10 (see HALVES_ADDED in migrate_suite.py), before any of their runs
+    SuiteModel("xt_encoder_mlm", "tuning", "x-transformers TransformerWrapper(Encoder(pre_norm=False)) masked char LM, 15% masking",
+               XTEncoderMLMSuite, "mlm", dict(n_layers=XT_ENC_LAYERS, d_model=64, n_heads=4),
+               dict(_LM_DATA, pretrain=XT_ENC_PRETRAIN, lr=1e-3, warmup=200, budgets=(300, 600)), _QUICK),
+    SuiteModel("marian_seq2seq", "tuning", "Hugging Face MarianMTModel, char-level: each window to itself with every word reversed, dropout 0.1",
+               MarianSeq2SeqSuite, "reverse", dict(n_layers=3, d_model=64, n_heads=4, dropout=0.1),
+               dict(_LM_DATA, pretrain=MARIAN_PRETRAIN, lr=1e-3, warmup=100, budgets=(300, 600)),
+               {**_QUICK, "arch": {**_QUICK["arch"], "dropout": 0.1}}),
 ]}
 
 
@@ -395,6 +487,9 @@ def eval_batches(m: SuiteModel, hp: dict) -> list[tuple]:
         if m.task == "mlm":
             inp, target = mlm_corrupt(x, g)
             out.append(((inp,), target))
+        elif m.task == "reverse":
+            dec, target = MarianSeq2SeqSuite.pair(x)
+            out.append(((x, dec), target))
         elif m.task == "denoise":
             noisy, dec = BartDenoiseSuite.corrupt(x, g)
             out.append(((noisy, dec), x))
