@@ -115,6 +115,16 @@ __all__ = [
 ]
 
 
+# The engine (placement/) imports nothing above it; the package root, which Python runs before any of its modules,
+# gives its rewrite state the export layer's save guard: a converted Hugging Face model's own save_pretrained writes
+# the safe form, whichever module a user imported first (tests/test_import_graph.py, tests/test_export_hf.py).
+from ln_lightning.export import save_guard as _save_guard  # noqa: E402 - after the names above, which it may use
+from ln_lightning.placement import state as _placement_state  # noqa: E402
+
+_placement_state.on_attach(_save_guard.install, _save_guard.uninstall)
+del _placement_state, _save_guard
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -52,6 +55,30 @@ def test_a_converted_bert_saved_the_habitual_way_no_longer_loads_as_the_old_func
         T.AutoModel.from_pretrained(tmp_path)
     assert rel(output(from_pretrained(tmp_path), inputs), expected) <= TOL
     assert rel(output(T.AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval(), inputs), expected) <= TOL
+
+
+_ENGINE_ONLY = """
+import transformers as T
+from ln_lightning.placement import convert  # the engine alone: nothing from export/ imported by the user
+model = T.BertModel(T.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                                 vocab_size=50, max_position_embeddings=16))
+{before}
+convert(model)
+print(type(model.__dict__.get("save_pretrained")).__name__)
+"""
+
+
+@pytest.mark.slow  # fresh processes
+@pytest.mark.parametrize("before, expected", [("", "SavePretrained"),
+                                              # the check can fail: without the root's registration, no guard
+                                              ("from ln_lightning.placement import state; state._HOOKS.clear()", "NoneType")])
+def test_the_save_guard_comes_with_the_engine_whichever_module_is_imported_first(before, expected):
+    # placement/ imports nothing from export/ (issue 32): the package root registers export's save guard with the
+    # rewrite state, and Python runs the root before any of its modules.
+    proc = subprocess.run([sys.executable, "-c", _ENGINE_ONLY.format(before=before)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == expected
 
 
 # ---------------------------------------------------------------------------------------------- every family

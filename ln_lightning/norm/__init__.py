@@ -15,6 +15,13 @@ Without CUDA, importing this package never imports triton (the Triton kernels lo
 under ``TRITON_INTERPRET=1``); with CUDA and triton installed, the Triton ops register at import.
 """
 
+import warnings
+
+import torch
+
+from ln_lightning._warnings import LNLightningWarning, user_stacklevel
+
+from . import _backend, functional
 from ._backend import BACKENDS, norm_backend
 from .functional import fused_add_layer_norm, fused_add_rms_norm, layer_norm, rms_norm
 from .modules import FusedAddLayerNorm, FusedLayerNorm
@@ -26,20 +33,12 @@ from .swap import SwapReport, swap_layernorms, unswap_layernorms
 def _preload_triton_ops() -> None:
     # On a CUDA machine, register the Triton ops now rather than from inside a torch.compile
     # trace (an import there would break the graph). Without CUDA, triton is never imported.
-    import torch
-
-    from . import _backend
-
     if _backend.TRITON_INSTALLED and torch.cuda.is_available():
         try:
-            from . import _triton_ops, functional
+            from . import _triton_ops
 
             functional._triton_ops = _triton_ops  # so a compiled trace never reaches the import
         except Exception as exc:  # noqa: BLE001 - the torch backend still works
-            import warnings
-
-            from ln_lightning._warnings import LNLightningWarning, user_stacklevel
-
             warnings.warn(f"ln_lightning.norm: Triton kernels unavailable ({exc!r}); using the torch backend",
                           LNLightningWarning, stacklevel=user_stacklevel())
             _backend.TRITON_INSTALLED = False

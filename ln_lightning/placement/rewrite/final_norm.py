@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from ln_lightning.placement import families
 from ln_lightning.placement.rewrite import hooks
-from ln_lightning.placement.reading.analysis import stream_output
+from ln_lightning.placement.reading.analysis import stream_input, stream_output
 from ln_lightning.placement.reading.blocks import HookedHandler
 from ln_lightning.placement.reading.discovery import CONTAINERS, Found, Stack, join
 from ln_lightning.placement.reading.norms import FINAL_NORM_MARKER, norm_types
@@ -110,8 +110,6 @@ def last_call(stack: Stack, found: Found):
 
 
 def _detect_observed(model: nn.Module, stack: Stack, found: Found) -> None:
-    from ln_lightning.placement.reading.analysis import stream_input
-
     rec = found.observation.rec
     last = last_call(stack, found)
     if last is None:
