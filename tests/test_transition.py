@@ -985,6 +985,7 @@ def test_the_default_transition_under_compile_and_mixed_precision(style, tmp_pat
     assert transition.leftovers(module) == []
 
 
+@pytest.mark.slow  # torch.export and torch.compile (conftest's rule)
 def test_a_stream_scaled_transition_exports_and_compiles_mid_way():
     model = make("demo")
     x = batch(3)
