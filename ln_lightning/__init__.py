@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ln_lightning import _attach_hooks
+
 # The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]).
 __version__ = "0.1.0"
 
@@ -117,12 +119,19 @@ __all__ = [
 
 # The engine (placement/) imports nothing above it; the package root, which Python runs before any of its modules,
 # gives its rewrite state the export layer's save guard: a converted Hugging Face model's own save_pretrained writes
-# the safe form, whichever module a user imported first (tests/test_import_graph.py, tests/test_export_hf.py).
-from ln_lightning.export import save_guard as _save_guard  # noqa: E402 - after the names above, which it may use
-from ln_lightning.placement import state as _placement_state  # noqa: E402
+# the safe form, whichever module a user imported first (tests/test_export_hf.py). The guard's module loads with the
+# first rewrite, not with the package (``from ln_lightning import LNLightningWarning`` imports no torch).
+def _save_guard(action: str):
+    def run(*args) -> None:
+        from ln_lightning.export import save_guard
 
-_placement_state.on_attach(_save_guard.install, _save_guard.uninstall)
-del _placement_state, _save_guard
+        getattr(save_guard, action)(*args)
+
+    run.__qualname__ = f"save_guard.{action}"
+    return run
+
+
+_attach_hooks.register(_save_guard("install"), _save_guard("uninstall"))
 
 
 def __getattr__(name: str) -> Any:

@@ -71,7 +71,7 @@ print(type(model.__dict__.get("save_pretrained")).__name__)
 @pytest.mark.slow  # fresh processes
 @pytest.mark.parametrize("before, expected", [("", "SavePretrained"),
                                               # the check can fail: without the root's registration, no guard
-                                              ("from ln_lightning.placement import state; state._HOOKS.clear()", "NoneType")])
+                                              ("from ln_lightning import _attach_hooks; _attach_hooks._HOOKS.clear()", "NoneType")])
 def test_the_save_guard_comes_with_the_engine_whichever_module_is_imported_first(before, expected):
     # placement/ imports nothing from export/ (issue 32): the package root registers export's save guard with the
     # rewrite state, and Python runs the root before any of its modules.

@@ -21,6 +21,7 @@ def _opcheck_args(kind: str) -> list[tuple]:
             (x.half(), r.half(), w, 1e-5, False, 0.0, "t5")]
 
 
+@pytest.mark.slow  # opcheck traces the ops through AOTAutograd, torch.compile's front end (conftest's rule)
 @pytest.mark.parametrize("kind", KINDS)
 def test_custom_ops_pass_opcheck(kind):
     op = _torch_ops.add_layer_norm if kind == "ln" else _torch_ops.add_rms_norm

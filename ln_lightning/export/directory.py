@@ -23,6 +23,7 @@ This module is handed the rewrite state by its callers (``ln_lightning.export.hf
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -205,13 +206,17 @@ def _hold_message(model: nn.Module, config: dict) -> dict:
     return {}
 
 
+@functools.lru_cache(maxsize=1)
+def _auto_model_names() -> tuple[str, ...]:
+    # dir() of transformers' lazy module builds its whole name list (about 0.15 s): once a process is enough.
+    return tuple(name for name in dir(require("transformers", "hf", "saving Hugging Face models")) if name.startswith("AutoModel"))
+
+
 def _auto_classes(model_type: str, arch: str) -> list[str]:
     """The Auto classes that build `arch` for `model_type` (AutoModelForMaskedLM for BertForMaskedLM, ...)."""
     transformers = require("transformers", "hf", "saving Hugging Face models")
     found = []
-    for name in dir(transformers):
-        if not name.startswith("AutoModel"):
-            continue
+    for name in _auto_model_names():
         try:
             mapping = getattr(getattr(transformers, name), "_model_mapping", None)
         except Exception:  # noqa: BLE001 - a lazily imported class that needs a missing backend

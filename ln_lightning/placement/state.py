@@ -30,7 +30,7 @@ with the model; ``ddp_spawn`` workers get it). It holds everything the rewrite i
   that blend; one saved from the rewritten model without a transition ends the model's transition. A
   transition ends in one place, :meth:`RewriteState.end_transition`.
 
-:func:`attach` also runs the hooks the layers above registered (:func:`on_attach`): export's save guard gives every
+:func:`attach` also runs the hooks the layers above registered (``ln_lightning._attach_hooks``): export's save guard gives every
 Hugging Face model holding part of the rewrite an instance ``save_pretrained`` that writes a directory nothing loads as
 the old function (``ln_lightning.export.save_guard``); :func:`detach` runs their undo.
 
@@ -45,11 +45,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from ln_lightning import _attach_hooks
 from ln_lightning._warnings import warn
 from ln_lightning.norm import FusedLayerNorm
 from ln_lightning.placement.migrate import blend
@@ -310,20 +311,6 @@ def find(module: nn.Module) -> tuple[RewriteState, str] | None:
     return None
 
 
-# What the layers above this one add to a model when a rewrite state is attached to it, and take away on detach:
-# export's save guard (a converted Hugging Face model's own save_pretrained would otherwise write a directory that
-# loads as the old function). The package root registers it (ln_lightning/__init__.py), and Python runs the root
-# before any of its modules, so no state is ever attached without it, while this layer imports nothing above it.
-_HOOKS: list[tuple[Callable[[nn.Module, "RewriteState"], None], Callable[[nn.Module], None]]] = []
-
-
-def on_attach(install: Callable[[nn.Module, "RewriteState"], None], uninstall: Callable[[nn.Module], None]) -> None:
-    """Run ``install(root, state)`` on every :func:`attach` and ``uninstall(root)`` on every :func:`detach` from now
-    on (once per pair: registering the same pair again changes nothing)."""
-    if (install, uninstall) not in _HOOKS:
-        _HOOKS.append((install, uninstall))
-
-
 def attach(root: nn.Module, state: RewriteState) -> RewriteState:
     """Make `state` the record of `root`'s rewrite (replacing one there)."""
     previous = of(root)
@@ -335,7 +322,7 @@ def attach(root: nn.Module, state: RewriteState) -> RewriteState:
         if state.owners:
             state.mark(root, state.owners)  # the markers say the new configuration
     root.__dict__[_STATE_ATTR] = state
-    for install, _ in _HOOKS:
+    for install in _attach_hooks.installs():  # export's save guard (registered by the package root)
         install(root, state)
     return state
 
@@ -344,7 +331,7 @@ def detach(root: nn.Module) -> None:
     """Forget the rewrite of `root` (it computes its forward as written again): the state, markers and guards."""
     state = of(root)
     root.__dict__.pop(_STATE_ATTR, None)
-    for _, uninstall in _HOOKS:
+    for uninstall in _attach_hooks.uninstalls():
         uninstall(root)
     if state is None:
         return
