@@ -53,7 +53,7 @@ HALVES = {"tuning": ("charlm", "bert_mlm", "encoder_cls", "xt_encoder_mlm", "mar
           "held-out": ("deep_dropout_lm", "bart_denoise", "xt_decoder")}
 # Models added to a half after the split was fixed (the split at dbd684d stays as it was for everything before).
 HALVES_ADDED = [
-    {"half": "tuning", "models": ["xt_encoder_mlm", "marian_seq2seq"], "date": "2026-12-06", "commit": "ORDER11_COMMIT",
+    {"half": "tuning", "models": ["xt_encoder_mlm", "marian_seq2seq"], "date": "2026-12-06", "commit": "a5aad05",
      "why": "added after order 10, before any of their runs, because the tuning half could no longer tell methods apart "
             "(order 9: the loss gate and the default both met 6 of 6 and tied); the held-out xt_decoder's failure under "
             "the default motivated including an x-transformers model (an encoder, not the held-out decoder), and the "
@@ -199,7 +199,34 @@ METHODS_TRIED = [
              "excess / max(0.03, 2 x unchanged's worst)), a win needing WIN_MARGIN (0.05) of the band; a tie keeps the "
              "incumbent. Only if a loss-gated arm wins does it run on the HELD-OUT half (xt_decoder first), labelled: the "
              "loss gate was run there before as order 10's diagnostic, so the held-out half is not untouched for this "
-             "family; a change of the library's default is the lead's decision, not this order's"},
+             "family; a change of the library's default is the lead's decision, not this order's. "
+             "Outcome (after the runs): the two new models fail every arm tried, at both budgets. Baselines: hard +1.68 / "
+             "+1.20 worst excess (xt_encoder_mlm / marian_seq2seq), the open-loop default +0.25 and +0.12 (B300, B600) / "
+             "+0.25 and +0.10, default_long +0.12, +0.06 / +0.11, +0.05, finals +0.04..+0.18 over unchanged. "
+             "closed_S0.6_t0.05 on xt_encoder_mlm reaches blend 1 (step 146 / 192) at worst +0.096 / +0.094 (band 0.03), "
+             "final +0.094 / +0.042 over unchanged; on marian_seq2seq it stops short (blend 0.47 / 0.82; warned at step 45 "
+             "of 180 and 90 of 360) at worst +0.050 / +0.041, final +0.033 / +0.043. The loss gates hold xt_encoder_mlm's "
+             "worst excess to +0.011 (B300) and +0.003 (B600), and stop short (L0.02 blend 0.56 / 0.59, L0.03 0.64 / 0.69), "
+             "saying so at step 45 of 180 and 90 of 360: at B600 both stay within the goal's excess and final (verdict "
+             "'stopped short within the goal, said so'); at B300 their final is +0.028 / +0.034 over unchanged (band 0.02). "
+             "On marian_seq2seq the worst excess comes early (+0.041 at step 20 at B600 in all three arms, while the gate "
+             "still measures its start), and the gated arms stall lower (blend 0.40 at B300; 0.19 / 0.26 at B600), their "
+             "B300 worst +0.067 / +0.063 against the incumbent's +0.050. closed_S0.6_t0.05_L0.03 on the first three tuning "
+             "models: 6 of 6; bert_mlm and encoder_cls the same held-out losses at every evaluation as the incumbent and "
+             "L0.02; charlm worst +0.0197 at B300 (blend 1 at step 113; incumbent +0.0216 at 92, L0.02 +0.0133 at 147) and "
+             "+0.0200 at B600 (step 241). By the rule: 6 of 10 in all three arms; the largest band share: incumbent 3.196 "
+             "(xt_encoder_mlm B300), L0.02 2.245 (marian_seq2seq B300), L0.03 2.087 (marian_seq2seq B300): "
+             "closed_S0.6_t0.05_L0.03 wins by the rule's letter, by 1.11 of the band. Read honestly: no arm meets more runs; "
+             "the win is set by runs every arm fails (the incumbent's largest share on a run that finished, the gates' on "
+             "runs that stopped short); on marian_seq2seq the gates' worst excess is above the incumbent's at B300, and on "
+             "xt_encoder_mlm they keep the excess within the goal by stopping short. Then on the HELD-OUT half, labelled: "
+             "the loss gate was run there before as order 10's diagnostic, so the held-out half is not untouched for this "
+             "family (xt_decoder first): 4 of 6, as the default (closed_S0.6_t0.05) and as closed_S0.6_t0.03_k2; "
+             "deep_dropout_lm and bart_denoise meet at both budgets (worst +0.023 / +0.009 and +0.021 / +0.023; bart_denoise "
+             "B300 final +0.0173, where L0.02 failed by +0.0226); xt_decoder fails both: B300 worst +0.0345 (> 0.03) and "
+             "stops short at blend 0.61 (warned at step 45 of 180); B600 stops short at blend 0.61 within the goal (worst "
+             "+0.0135, final +0.0007), said so at step 90 of 360. It meets no more held-out runs than the default: the "
+             "library's default (TransitionSpec's) is unchanged by this order; loss_tolerance stays off"},
 ]
 
 
@@ -327,6 +354,21 @@ HISTORY = [
     "The table keeps the be7ead4 rows.",
     "closed_S0.6_t0.03 (order 6) ran on an export of ln_lightning 85eaf7e; closed_S0.6_t0.05 on charlm B300 run again on "
     "that export gave the same training losses, blends and held-out losses, bit for bit, as its be7ead4 run in the table.",
+    "Order 11 (2026-12-06): xt_encoder_mlm and marian_seq2seq were pretrained once, seed 0, 3,000 steps each (about 2.3 min "
+    "each here), before any of their continuations: marian_seq2seq is flat (0.35% between the last two tenths); "
+    "xt_encoder_mlm is NOT flat (its held-out loss still fell 1.46%, against FLAT_TOL's 1%), and was not pretrained again "
+    "(time): its unchanged continuation keeps improving (its own worst excess is 0, so its band is the goal's 0.03). "
+    "In --quick mode the per-channel endpoint calibration (calibpc_, not run on the new models in full) stops on "
+    "xt_encoder_mlm ('no norm with a weight at the site': x-transformers' norms hold `gamma`), and the units it had spent "
+    "before the error were not in its record; the calibration callback now records them.",
+    "Every order-11 run ran on an export of a5aad05 (ln_lightning the same as abb84e5; the driver and the suite's models "
+    "the export's too: the checkout held other work's uncommitted changes to ln_lightning/), one run at a time, one "
+    "thread. closed_S0.6_t0.05_L0.03 on bert_mlm and encoder_cls (both budgets) gave the same held-out losses at every "
+    "evaluation as their closed_S0.6_t0.05 (be7ead4) and closed_S0.6_t0.05_L0.02 (0e4583f) rows: the export's closed loop "
+    "is theirs where the loss gate never holds. Its held-out runs went through the driver's --worker route (runs_on() "
+    "runs only PICKED's tuned arm there, and PICKED stays closed_S0.6_t0.03_k2, the last arm run untouched there); the "
+    "rows were merged with --merge-into, which now also adds a model the file lacks (pretraining and unchanged runs "
+    "from the merged folder) and computes every verdict again (the same ok and why; said_so added).",
 ]
 
 # Arms tuned on the TUNING half: on the HELD-OUT half only the one picked there runs (set once it is picked).
@@ -739,8 +781,9 @@ def render_markdown(res: dict) -> str:
     for m in res["methods_tried"]:
         L.append(f"{m['order']}. {', '.join(m['arms'])} — on {m['on']}: {m['note']}")
     if res.get("rule_picks"):
-        L += ["", f"Picked on the TUNING half by the rule: `{res['rule_picks']}`; run untouched on the HELD-OUT half: "
-              f"{'`' + res['picked_on_tuning'] + '`' if res.get('picked_on_tuning') else 'not yet'}."]
+        L += ["", f"Picked on the TUNING half by the latest order's rule: `{res['rule_picks']}`. The last arm picked and run untouched "
+              f"on the HELD-OUT half: {'`' + res['picked_on_tuning'] + '`' if res.get('picked_on_tuning') else 'none yet'} "
+              "(a later order that ran on it says so in its note)."]
     L += ["", "## The models", "",
           "| model | half | what | params | pretraining steps | held-out loss at the switch | flat (last 10% vs the 10% before) | ms/step |",
           "|---|---|---|---|---|---|---|---|"]
@@ -941,6 +984,9 @@ def merge_into(path: Path, out: Path, arms: list[str]) -> int:
         res["models"][name] = {"half": half_of(name), "kind": sm.SUITE[name].kind, "arch": {**sm.SUITE[name].arch, **hp.get("arch", {})},
                                "hparams": {k: v for k, v in hp.items() if k != "arch"}, "budgets": list(hp["budgets"])}
         res["pretrain"][f"{name}_seed{r['seed']}"] = analyse_pretrain(r)
+    suite_order = list(sm.SUITE)  # the added models in the suite's order (suite_models.SUITE), not the files'
+    res["models"] = dict(sorted(res["models"].items(), key=lambda kv: suite_order.index(kv[0])))
+    res["pretrain"] = dict(sorted(res["pretrain"].items(), key=lambda kv: suite_order.index(kv[0].rsplit("_seed", 1)[0])))
     res["split"] = split_record(res["split"]["fixed_at"])
     new_rows = []
     files = sorted((out / "runs").glob("*.json"), key=lambda f: "unchanged" not in f.name)  # unchanged rows first
@@ -964,7 +1010,7 @@ def merge_into(path: Path, out: Path, arms: list[str]) -> int:
         if a.get("training_drift_forwards") is None and r["arm"] == TRAINING_DRIFT_ARM:
             # (recorded from 571f434 on; before, the count's remainder: no calibration in this arm)
             a["training_drift_forwards"] = int(round(r["units"] - (UNITS_FWD + UNITS_BWD) * r["steps"] - UNITS_FWD * r["teacher_steps"]))
-        if abs(a["at_switch"] - u["at_switch"]) > 1e-4:
+        if r["arm"] != "hard" and abs(a["at_switch"] - u["at_switch"]) > 1e-4:  # (a hard switch's first eval is after it)
             raise SystemExit(f"{f.name}: held-out loss at the switch {a['at_switch']:.5f}, the file's unchanged run {u['at_switch']:.5f}: "
                              "another pretrained checkpoint; not merged")
         mine_u = out / "runs" / f"{run_name(r['model'], 'unchanged', r['budget'], r['seed'])}.json"
