@@ -9,7 +9,7 @@ find their siblings the same way (Python puts a script's folder first).
 
 Marks (pyproject.toml): `slow` on every test that starts processes (subprocesses, multi-process
 strategies), compiles with torch.compile, or takes more than a few seconds; `browser` on the one
-that drives headless Chromium. `python -m pytest -q -m "not slow"` is the quick run. The fixture
+that drives headless Chromium. `python -m pytest -q -m "not slow" -n 2` is the quick run. The fixture
 below keeps the first part of that rule true: a test without the `slow` mark that starts a Python
 subprocess or a multiprocessing child fails, naming what it started.
 """
@@ -25,11 +25,11 @@ import pytest
 import torch
 
 # One intra-op thread: the tests' tensors are tiny, and on a busy 2-core machine OpenMP's waiting
-# threads cost more than the work. Measured (issue 32, 1,069 tests, the compiled-kernel cache built, an idle
-# 2-core machine): the quick run took 92-98 s wall (84 s in the tests, 11 s collecting; two pytest-xdist workers
-# made it no faster); the first run in a new checkout adds the kernels' build (about 50 s each, the cache's build
-# files name the source path). Tests that need several threads set them (the CPU
-# kernels' thread-count determinism tests).
+# threads cost more than the work. Tests that need several threads set them (the CPU kernels' thread-count
+# determinism tests). Measured (issue 32, 2026-12-06, 1,104 tests not marked slow, the compiled-kernel cache built,
+# an idle 2-core machine): the quick run (`-n 2`) 44.8 and 45.1 s wall (41 s in pytest); one worker, 65-69 s (63 s in
+# pytest, 8-9 s of it collecting: torch, Lightning, transformers and x-transformers imports). The first run in a new
+# checkout adds the kernels' build (about 50 s each; the cache's build files name the source path).
 torch.set_num_threads(1)
 
 # CI (CI=true) runs the property tests on hypothesis' fixed, derandomized examples, so a run's result is
