@@ -50,6 +50,8 @@ SOURCES: dict[str, str] = {
     "migrate_trained_plugin": "results/migrate_trained_plugin/results.json",
     # examples/migrate_suite.py (--out outputs/migrate_suite; its results.json and results.md copied here)
     "migrate_suite": "results/migrate_suite/results.json",
+    # examples/migrate_suite/drift_positions.py (on the suite's pretrained checkpoints; writes here itself)
+    "migrate_drift_positions": "results/migrate_drift_positions/results.json",
     # examples/migrate_why_depth.py (full mode copies its results.json and results.md here)
     "migrate_why_depth": "results/migrate_why_depth/results.json",
     # benchmarks/*.py (--json / --out)

@@ -28,6 +28,7 @@ PAGES: dict[str, tuple[str, str]] = {
     "results/migrate_post_norm/results.md": ("migrate_post_norm", "examples/migrate_post_norm.py"),
     "results/migrate_trained_screen/results.md": ("migrate_trained_screen", "examples/migrate_trained_screen/summary.py"),
     "results/migrate_suite/results.md": ("migrate_suite", "examples/migrate_suite.py"),
+    "results/migrate_drift_positions/results.md": ("migrate_drift_positions", "examples/migrate_suite/drift_positions.py"),
     "results/migrate_why_depth/results.md": ("migrate_why_depth", "examples/migrate_why_depth.py"),
 }
 
