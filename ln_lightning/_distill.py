@@ -26,7 +26,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from ln_lightning.placement.migrate import blend
-from ln_lightning.placement.migrate.teacher import frozen_copy, kl_to_teacher, logits_of, trained_output
+from ln_lightning.placement.migrate.teacher import (frozen_copy, kl_per_position, kl_to_teacher, logits_of,
+                                                    mean_where_the_loss_looks, trained_output)
 
 CHECKPOINT_KEY = "ln_lightning_teacher"
 _STEP = "training_step"
@@ -35,8 +36,12 @@ _STEP = "training_step"
 class Distillation:
     """One transition's distillation in one Trainer call (built by LNPlacement at the first training batch)."""
 
-    def __init__(self, weight: float, reference: str = "trained"):
+    def __init__(self, weight: float, reference: str = "trained", drift_at_loss: bool = False):
         self.weight = weight
+        # TransitionSpec.drift_positions == "loss": the drift the closed loop gates on is the KL over the positions the
+        # training loss depends on (its gradient with respect to the output not zero), not over every position.
+        self.drift_at_loss = drift_at_loss
+        self._positions: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (KL per position, the output)
         # "trained": a frozen copy of the model at the transition's start. "current": the model itself, pinned at
         # blend 0 (the function as written with the weights it has now): what the blend changes, not what training
         # has learnt since (a copy's KL grows with that too).
@@ -124,7 +129,7 @@ class Distillation:
         if self._pre_handle is not None:
             self._pre_handle.remove()
             self._pre_handle = None
-        self._rng, self._drift, self._pending, self._training_drift = None, [], [], []
+        self._rng, self._drift, self._pending, self._positions, self._training_drift = None, [], [], [], []
         if self._module is not None and self._module.__dict__.get(_STEP) is self._wrapper:
             del self._module.__dict__[_STEP]
 
@@ -138,7 +143,7 @@ class Distillation:
                 self.teacher.to("cpu")
             else:
                 t.hold_teacher(None)
-        self._module, self.teacher, self._pending, self._transition = None, None, [], None
+        self._module, self.teacher, self._pending, self._positions, self._transition = None, None, [], [], None
 
     def checkpoint_state(self) -> dict | None:
         # The teacher is frozen: its tensors as they are (torch.save copies them), no second copy on the device.
@@ -206,7 +211,10 @@ class Distillation:
             self.off_reason = (f"the LightningModule's output has no predictions to compare (a floating tensor of "
                                f"scores over a last dimension, `logits`, or a tuple's first element: got {type(output).__name__})")
             return None
-        self._pending.append(kl_to_teacher(student, taught))
+        kl = kl_per_position(student, taught)
+        self._pending.append(kl.mean())
+        if self.drift_at_loss:
+            self._positions.append((kl.detach(), student))
         if self.measure_training_drift and not self.live:
             # The same inputs and random numbers at blend 0: what training alone changed since the transition began.
             with _replayed(rng):
@@ -215,6 +223,21 @@ class Distillation:
                 self._training_drift.append(kl_to_teacher(written, taught).detach())
         return None
 
+    @staticmethod
+    def _drift_where_the_loss_looks(loss, positions: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        # Which positions the loss depends on: its gradient with respect to each output, by a backward through the
+        # loss alone (the outputs are not leaves: no weight gradient is computed, and the graph is kept for the step's
+        # own backward).
+        grads: list = [None] * len(positions)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
+            wanted = [i for i, (_, out) in enumerate(positions) if out.requires_grad]
+            if wanted:
+                found = torch.autograd.grad(loss.reshape(()), [positions[i][1] for i in wanted], retain_graph=True,
+                                            allow_unused=True)
+                for i, g in zip(wanted, found):
+                    grads[i] = g
+        return torch.stack([mean_where_the_loss_looks(kl, g) for (kl, _), g in zip(positions, grads)]).mean().detach()
+
     def _training_step(self, original, *args: Any, **kwargs: Any):
         self._in_step = True
         try:
@@ -222,6 +245,7 @@ class Distillation:
         finally:
             self._in_step = False
         pending, self._pending = self._pending, []
+        positions, self._positions = self._positions, []
         if not pending or out is None:
             return out
         self.distilled_once = True
@@ -229,7 +253,7 @@ class Distillation:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self._losses.append(loss.detach().float().reshape(()))
         kl = torch.stack(pending).mean()
-        self._drift.append(kl.detach())
+        self._drift.append(kl.detach() if not positions else self._drift_where_the_loss_looks(loss, positions))
         self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)
         if not self.weight:  # measured for the closed loop only, not trained towards
             return out

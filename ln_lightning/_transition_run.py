@@ -56,7 +56,7 @@ class TransitionRun:
                  f"{self.loss_gate.baseline_steps} held-blend steps.")
         if spec.distill <= 0 and not t.closed:
             return
-        self.distill = Distillation(spec.distill, spec.reference)
+        self.distill = Distillation(spec.distill, spec.reference, drift_at_loss=spec.drift_positions == "loss")
         self.distill.saved_state = self.teacher_state
         reason = self.distill.start(trainer, pl_module, t.host_steps)
         if reason is not None:

@@ -123,8 +123,8 @@ def test_after_an_open_loop_transition_the_dashboard_shows_it_ended(tmp_path):
 
 def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finishes(tmp_path, monkeypatch):
     teacher_runs = []
-    original = _distill.kl_to_teacher
-    monkeypatch.setattr(_distill, "kl_to_teacher", lambda s, t: teacher_runs.append(1) or original(s, t))
+    original = _distill.kl_per_position
+    monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: teacher_runs.append(1) or original(s, t))
     module = LM("demo", lr=0.0)
     plugin = LNPlacement("pre", transition=TransitionSpec(steps=6, tolerance=1e-12, endpoint_fraction=0.0), fused=False)
     with pytest.warns(LNLightningWarning) as caught:
@@ -227,8 +227,8 @@ class DropoutLM(LM):
 @pytest.mark.parametrize("spec", [dict(steps=4), dict(steps=4, tolerance=None)], ids=["closed", "open"])
 def test_distillation_is_zero_at_the_first_step_of_a_model_with_dropout(tmp_path, monkeypatch, spec):
     kls = []
-    original = _distill.kl_to_teacher
-    monkeypatch.setattr(_distill, "kl_to_teacher", lambda s, t: kls.append(original(s, t).item()) or original(s, t))
+    original = _distill.kl_per_position
+    monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: kls.append(original(s, t).mean().item()) or original(s, t))
     trainer(tmp_path, _plugin(**spec), max_steps=2).fit(DropoutLM(), train_dataloaders=loader())
     # Same masks as the student's forward, at blend 0: the teacher computes the same function, bit for bit.
     assert kls[0] == 0.0
@@ -315,8 +315,9 @@ class _Spy(Callback):
         self.mode.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("spec", [dict(steps=20), dict(steps=20, tolerance=None), dict(steps=20, loss_tolerance=0.5)],
-                         ids=["closed", "open", "loss-gate"])
+@pytest.mark.parametrize("spec", [dict(steps=20), dict(steps=20, tolerance=None), dict(steps=20, loss_tolerance=0.5),
+                                  dict(steps=20, drift_positions="loss")],
+                         ids=["closed", "open", "loss-gate", "drift-at-the-loss"])
 def test_no_host_read_from_the_plugin_on_transition_steps_that_do_not_log(tmp_path, spec):
     spy = _Spy()
     trainer(tmp_path, _plugin(**spec), max_steps=8, callbacks=[spy], log_every_n_steps=1000).fit(
@@ -558,3 +559,74 @@ def test_the_loss_gate_judges_the_mean_over_ranks_alike_on_every_rank(tmp_path, 
         assert blends[0] == pytest.approx(3 * spec.rate(), rel=1e-6)
     else:  # 1/6 a step from step 0: blend 1 by step 6 (the transition then ends at its next read, or stays at 1)
         assert blends[0] is None or blends[0] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- drift_positions
+def test_drift_positions_validates():
+    assert TransitionSpec(steps=10).drift_positions == "all"
+    assert TransitionSpec(steps=10, drift_positions="loss").drift_positions == "loss"
+    with pytest.raises(ValueError, match="drift_positions must be one of 'all', 'loss'"):
+        TransitionSpec(steps=10, drift_positions="masked")
+    with pytest.raises(ValueError, match="the open loop \\(tolerance=None\\) gates on none"):
+        TransitionSpec(steps=10, tolerance=None, drift_positions="loss")
+
+
+class _FirstPositionLM(LM):
+    """The demo LM whose loss counts the first position of each sequence only: through an ignore_index on the full
+    output (`sliced=False`), or on an output cut to that position (`sliced=True`, the independent reference)."""
+
+    def __init__(self, sliced: bool):
+        super().__init__("demo", lr=0.0)
+        self.sliced = sliced
+
+    def forward(self, idx):
+        out = self.model(idx)
+        return out[:, :1] if self.sliced else out
+
+    def training_step(self, b, batch_idx):
+        x, y = b
+        logits = self(x)
+        target = y[:, :1] if self.sliced else torch.where(torch.arange(y.size(1)) == 0, y, torch.full_like(y, -100))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100)
+
+
+def _raw_drifts(tmp_path, module, monkeypatch, **spec) -> list[float]:
+    """The drift of each optimizer step, before the loop smooths it (Distillation.take_drift's values)."""
+    seen = []
+    original = _distill.Distillation.take_drift
+
+    def take(self):
+        d = original(self)
+        seen.append(None if d is None else d.item())
+        return d
+
+    monkeypatch.setattr(_distill.Distillation, "take_drift", take)
+    # A tolerance no drift reaches: the blend follows the budget's pace whatever the drift reads, lr 0: the weights stay.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LNLightningWarning)
+        trainer(tmp_path, _plugin(steps=12, tolerance=100.0, endpoint_fraction=0.0, **spec), max_steps=6).fit(
+            module, train_dataloaders=loader())
+    monkeypatch.undo()
+    return seen
+
+
+def test_the_drift_at_the_loss_positions_is_the_drift_of_an_output_cut_to_them(tmp_path, monkeypatch):
+    """A loss over the first position only: drift_positions="loss" reads the KL there, as an output cut to that
+    position reads it over every position; "all" reads the whole output's, another number."""
+    torch.manual_seed(0)
+    loss_pos = _raw_drifts(tmp_path / "loss", _FirstPositionLM(sliced=False), monkeypatch, drift_positions="loss")
+    torch.manual_seed(0)
+    cut = _raw_drifts(tmp_path / "cut", _FirstPositionLM(sliced=True), monkeypatch)
+    torch.manual_seed(0)
+    every = _raw_drifts(tmp_path / "all", _FirstPositionLM(sliced=False), monkeypatch)
+    assert len(loss_pos) == len(cut) == len(every) == 6 and loss_pos[0] == cut[0] == every[0] == 0.0  # blend 0
+    assert loss_pos[1:] == pytest.approx(cut[1:], rel=1e-5) and min(cut[1:]) > 0
+    assert all(abs(a - b) > 1e-3 * b for a, b in zip(every[1:], cut[1:]))
+
+
+def test_where_the_loss_counts_every_position_the_two_drifts_are_the_same_bit_for_bit(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    at_loss = _raw_drifts(tmp_path / "loss", LM("demo", lr=0.0), monkeypatch, drift_positions="loss")
+    torch.manual_seed(0)
+    every = _raw_drifts(tmp_path / "all", LM("demo", lr=0.0), monkeypatch)
+    assert at_loss == every and max(every) > 0

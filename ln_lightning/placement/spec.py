@@ -31,6 +31,8 @@ OPEN_SCHEDULES = ("linear", "cosine")
 # TransitionSpec.loss_tolerance: the held-blend optimizer steps whose mean training loss is where the transition started.
 LOSS_BASELINE_STEPS = 8
 REFERENCES = ("trained", "current")
+# TransitionSpec.drift_positions: every output position, or those the training loss depends on.
+DRIFT_POSITIONS = ("all", "loss")
 
 
 def _positive(value) -> bool:
@@ -117,6 +119,15 @@ class TransitionSpec:
             loss can rise by more than this. It needs the distillation's hooks (automatic optimisation, a
             ``training_step`` that calls the module, an unsharded model); where they can't run, a warning says
             the closed loop runs without its tolerances.
+        drift_positions: closed loop: where the drift it gates on is averaged. ``"all"``: every position of the
+            output. ``"loss"``: the positions the training loss depends on, those where its gradient with respect
+            to the output is not zero (a masked LM's masked positions, a padded batch's real tokens), found by one
+            backward through the loss alone (no weight gradients; the step's own backward is untouched); where the
+            loss depends on no position of the output (or ``training_step`` returns no loss tensor) every position
+            counts. A masked LM's loss counts about a sixth of its positions, and the mean over all of them read
+            half the drift that costs loss on the suite's two masked LMs (docs/results/migrate_drift_positions). Where
+            the loss counts every position the two are the same number. The distillation term and
+            ``ln_placement/distill_kl`` stay the mean over every position.
     """
 
     steps: int
@@ -130,6 +141,7 @@ class TransitionSpec:
     training_drift_factor: float | None = None
     training_drift_every: int = 8
     loss_tolerance: float | None = None
+    drift_positions: str = "all"
 
     def __post_init__(self):
         steps = self.steps
@@ -179,6 +191,12 @@ class TransitionSpec:
             if tol is None:
                 raise ValueError("TransitionSpec: loss_tolerance gates the closed loop's blend; the open loop "
                                  "(tolerance=None) follows its schedule. Give a tolerance, or drop loss_tolerance.")
+        if self.drift_positions not in DRIFT_POSITIONS:
+            raise ValueError(f"TransitionSpec: drift_positions must be one of {', '.join(map(repr, DRIFT_POSITIONS))}, "
+                             f"got {self.drift_positions!r}.")
+        if self.drift_positions != "all" and tol is None:
+            raise ValueError("TransitionSpec: drift_positions says where the closed loop measures the drift it gates on; "
+                             "the open loop (tolerance=None) gates on none. Give a tolerance, or drop drift_positions.")
         for name in ("tolerance", "ramp", "endpoint_fraction", "distill", "training_drift_factor", "loss_tolerance"):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):

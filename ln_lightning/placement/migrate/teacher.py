@@ -97,11 +97,28 @@ def logits_of(output: Any) -> torch.Tensor | None:
     return None
 
 
-def kl_to_teacher(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) of the distributions over the last dimension, per position, averaged (0-dim)."""
+def kl_per_position(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of the distributions over the last dimension, one per position (flattened)."""
     t = F.log_softmax(teacher.detach().reshape(-1, teacher.size(-1)).float(), -1)
     s = F.log_softmax(student.reshape(-1, student.size(-1)).float(), -1)
-    return (t.exp() * (t - s)).sum(-1).mean()
+    return (t.exp() * (t - s)).sum(-1)
 
 
-__all__ = ["frozen_copy", "kl_to_teacher", "logits_of", "trained_output"]
+def kl_to_teacher(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of the distributions over the last dimension, per position, averaged (0-dim)."""
+    return kl_per_position(student, teacher).mean()
+
+
+def mean_where_the_loss_looks(kl: torch.Tensor, loss_grad: torch.Tensor | None) -> torch.Tensor:
+    """The mean of per-position `kl` over the positions where `loss_grad` (the loss's gradient with respect to the
+    output, or None: the loss does not depend on it) is not zero; over every position where there are none. On the
+    device: no host read."""
+    if loss_grad is None:
+        return kl.mean()
+    looked = (loss_grad.reshape(-1, loss_grad.size(-1)) != 0).any(-1).to(kl.dtype)
+    n = looked.sum()
+    # Where the loss looks at every position (or at none) this is kl.mean() itself, bit for bit.
+    return torch.where((n > 0) & (n < kl.numel()), (kl * looked).sum() / n.clamp(min=1), kl.mean())
+
+
+__all__ = ["frozen_copy", "kl_per_position", "kl_to_teacher", "logits_of", "mean_where_the_loss_looks", "trained_output"]
