@@ -1,4 +1,5 @@
-"""Fused LayerNorm on the torch (CPU) backend: numerics, modules, state_dict, swap.
+"""Fused LayerNorm on the torch (CPU) backend: numerics, modules, swap. Both norms' modules as drop-ins
+(state_dict, fused add, swap after convert), parametrised over the kind: test_norm_modules.py.
 
 The Triton kernels are tested under the interpreter in tests/test_norm_triton.py; the ops' opcheck and
 torch.compile, for both norms, in tests/test_norm_compile.py.
@@ -391,32 +392,6 @@ def test_multi_dim_normalized_shape(torch_path):
         assert calls.count("forward") == 3 and calls.count("backward") == 1
 
 
-def test_fused_layernorm_has_nn_layernorm_signature_and_state():
-    import inspect
-
-    assert inspect.signature(FusedLayerNorm.__init__) == inspect.signature(nn.LayerNorm.__init__)
-    for kwargs in ({}, {"bias": False}, {"elementwise_affine": False}, {"eps": 1e-3, "dtype": torch.float64}):
-        ref = nn.LayerNorm(16, **kwargs)
-        ln = FusedLayerNorm(16, **kwargs)
-        assert list(ln.state_dict()) == list(ref.state_dict())
-        assert [n for n, _ in ln.named_parameters()] == [n for n, _ in ref.named_parameters()]
-        if ref.weight is not None:
-            nn.init.normal_(ref.weight)
-        if ref.bias is not None:
-            nn.init.normal_(ref.bias)
-        ln.load_state_dict(ref.state_dict(), strict=True)
-        assert all(torch.equal(ln.state_dict()[k], v) for k, v in ref.state_dict().items())
-        x = torch.randn(4, 16, dtype=kwargs.get("dtype", torch.float32))
-        expected = layer_norm_formula(x.double(), (16,), *(None if p is None else p.detach().double() for p in (ref.weight, ref.bias)), ln.eps)
-        assert _rel_err(ln(x), expected) < 1e-5  # and the loaded values are the ones it computes with
-        back = nn.LayerNorm(16, **kwargs)
-        back.load_state_dict(ln.state_dict(), strict=True)
-        assert all(torch.equal(back.state_dict()[k], v) for k, v in ref.state_dict().items())
-    add = FusedAddLayerNorm(16)
-    assert list(add.state_dict()) == list(nn.LayerNorm(16).state_dict())
-    nn.LayerNorm(16).load_state_dict(add.state_dict(), strict=True)
-
-
 def test_from_layernorm_shares_parameters_and_hooks():
     ref = nn.LayerNorm(8)
     calls = []
@@ -431,19 +406,6 @@ def test_from_layernorm_shares_parameters_and_hooks():
     assert calls == [1]
     with pytest.raises(TypeError, match="nn.LayerNorm"):
         FusedLayerNorm.from_layernorm(nn.Linear(2, 2))
-
-
-def test_fused_add_module_and_none_residual():
-    norm = FusedAddLayerNorm(12, residual_in_fp32=True)
-    x = torch.randn(3, 12, dtype=torch.bfloat16)
-    r = torch.randn(3, 12, dtype=torch.bfloat16)
-    y, h = norm(x, r)
-    assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
-    torch.testing.assert_close(h, x.float() + r.float(), rtol=0, atol=0)
-    x32 = torch.randn(3, 12)
-    y, h = FusedAddLayerNorm(12)(x32)
-    assert h is x32  # residual=None: plain LayerNorm, the input is the new residual
-    assert "residual_in_fp32=True" in repr(norm)
 
 
 @pytest.mark.parametrize("torch_path", ["shortcut", "function"], indirect=True)
@@ -671,27 +633,6 @@ def test_swapped_model_pickles():
     loaded = torch.load(buf, weights_only=False)
     x = torch.randn(2, 3, 16)
     torch.testing.assert_close(loaded(x), model(x))
-
-
-def test_swap_after_placement_convert_keeps_the_conversion():
-    placement = pytest.importorskip("ln_lightning.placement")
-    from ln_lightning.demo import PostNormTransformerLM
-
-    torch.manual_seed(0)
-    model = PostNormTransformerLM(vocab_size=50, d_model=32, n_layers=2, n_heads=2, block_size=16)
-    tokens = torch.randint(0, 50, (2, 16))
-    placement.convert(model, "pre")
-    deferred_type = type(model.blocks[0].ln1)
-    before = model(tokens)
-    report = swap_layernorms(model)
-    assert "blocks.0.ln1" in report.swapped and not report.skipped
-    norm = model.blocks[0].ln1
-    assert isinstance(norm, FusedLayerNorm) and getattr(norm, "ln_lightning_deferred", False)
-    after = model(tokens)
-    first = lambda out: out[0] if isinstance(out, tuple) else out
-    torch.testing.assert_close(first(after), first(before), rtol=0, atol=0)
-    report.revert()
-    assert type(model.blocks[0].ln1) is deferred_type
 
 
 def test_docstring_examples_run():

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ln_lightning.norm import kinds
 from ln_lightning.norm.modules import FusedLayerNorm
-from ln_lightning.norm.modules_rms import FusedRMSNorm
+from ln_lightning.norm.modules import FusedRMSNorm
 from ln_lightning.placement.rewrite import hooks
 
 

@@ -24,9 +24,8 @@ from ln_lightning._warnings import LNLightningWarning, user_stacklevel
 from . import _backend, functional
 from ._backend import BACKENDS, norm_backend
 from .functional import fused_add_layer_norm, fused_add_rms_norm, layer_norm, rms_norm
-from .modules import FusedAddLayerNorm, FusedLayerNorm
+from .modules import FusedAddLayerNorm, FusedAddRMSNorm, FusedLayerNorm, FusedRMSNorm
 from .kinds import NormSpec, explain_norm, is_norm, recognize_norm, register_norm_class
-from .modules_rms import FusedAddRMSNorm, FusedRMSNorm
 from .swap import SwapReport, swap_layernorms, unswap_layernorms
 
 

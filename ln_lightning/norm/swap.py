@@ -40,7 +40,7 @@ from torch import nn
 from . import _backend
 from .kinds import NormSpec, explain_norm, recognize_norm
 from .modules import FusedAddLayerNorm, FusedLayerNorm
-from .modules_rms import FusedAddRMSNorm, FusedRMSNorm, FusedRMSNormForward
+from .modules import FusedAddRMSNorm, FusedRMSNorm, FusedRMSNormForward
 
 _FUSED_SUBCLASSES: dict[tuple[type, type], type] = {}
 # Instance attributes the swap of a foreign RMSNorm class sets (and its revert removes).
