@@ -242,7 +242,18 @@ METHODS_TRIED = [
              "11's): among closed_S0.6_t0.05 (the incumbent) and closed_S0.6_t0.05_lp over the 10 tuning runs: most runs "
              "meeting the goal (blend 1 reached included), then the smaller largest band share, a win needing WIN_MARGIN "
              "(0.05) of the band; a tie keeps the incumbent. Only if it wins does it run on the HELD-OUT half (which holds "
-             "no masked LM: its runs there would be the incumbent's)."},
+             "no masked LM: its runs there would be the incumbent's). Outcome (after the runs): 6 of 10, as the "
+             "incumbent; on charlm, bert_mlm, encoder_cls and marian_seq2seq (both budgets) the same held-out losses at "
+             "every evaluation, the same transition end and blend as the incumbent (bert_mlm is a masked LM too, but its "
+             "drift over the masked positions never reached 0.05 either); on xt_encoder_mlm it holds the blend where the "
+             "incumbent finished: B300 blend 0.607 at worst +0.0326 (the incumbent reached blend 1 at step 146 at worst "
+             "+0.0959), final +0.0335 over unchanged (the incumbent's +0.0943); B600 blend 0.696 within the goal (worst "
+             "+0.0029, final +0.0078; the incumbent's +0.0937 and +0.0422, blend 1 at step 192), said so at step 120 of "
+             "360. The largest band share: 1.649 (marian_seq2seq B300, as the incumbent's there) against the incumbent's "
+             "3.196 (xt_encoder_mlm B300): closed_S0.6_t0.05_lp wins by the rule, by 1.55 of the band, with no more runs "
+             "met: on the masked LM every arm fails it turns a finished transition at three times the goal's excess into "
+             "a stall the run reports, and elsewhere it is the incumbent. Its held-out runs (no masked LM there) are "
+             "registered as order 13's, with its own arm."},
 ]
 
 
@@ -403,6 +414,12 @@ HISTORY = [
     "runs only PICKED's tuned arm there, and PICKED stays closed_S0.6_t0.03_k2, the last arm run untouched there); the "
     "rows were merged with --merge-into, which now also adds a model the file lacks (pretraining and unchanged runs "
     "from the merged folder) and computes every verdict again (the same ok and why; said_so added).",
+    "Order 12's runs (2026-12-06, 2 at a time, one thread each, pretraining again from scratch: every checkpoint gave the "
+    "file's held-out loss at the switch within 1e-4) ran the driver of an export of a0005ee with the ln_lightning of the "
+    "checkout, the editable install, at d6fae6c (a0005ee's, with the fused norm modules moved into one file: no numerical "
+    "change; its rows on the four models where the loss counts every position, and bert_mlm's, give the incumbent's "
+    "held-out losses at every evaluation). A first run of the same order, on the session before, was lost with its "
+    "machine before it was merged; its figures, read then, are these.",
 ]
 
 # Arms tuned on the TUNING half: on the HELD-OUT half only the one picked there runs (set once it is picked).
