@@ -563,7 +563,10 @@ def test_the_loss_gate_judges_the_mean_over_ranks_alike_on_every_rank(tmp_path, 
 
 # ---------------------------------------------------------------------------------------------- drift_positions
 def test_drift_positions_validates():
-    assert TransitionSpec(steps=10).drift_positions == "all"
+    # The default: the loss's positions in the closed loop (migrate_suite orders 12-13), none to gate in the open loop.
+    assert TransitionSpec(steps=10).drift_positions == "loss"
+    assert TransitionSpec(steps=10, tolerance=None).drift_positions == "all"
+    assert TransitionSpec(steps=10, drift_positions="all").drift_positions == "all"
     assert TransitionSpec(steps=10, drift_positions="loss").drift_positions == "loss"
     with pytest.raises(ValueError, match="drift_positions must be one of 'all', 'loss'"):
         TransitionSpec(steps=10, drift_positions="masked")
@@ -618,7 +621,7 @@ def test_the_drift_at_the_loss_positions_is_the_drift_of_an_output_cut_to_them(t
     torch.manual_seed(0)
     cut = _raw_drifts(tmp_path / "cut", _FirstPositionLM(sliced=True), monkeypatch)
     torch.manual_seed(0)
-    every = _raw_drifts(tmp_path / "all", _FirstPositionLM(sliced=False), monkeypatch)
+    every = _raw_drifts(tmp_path / "all", _FirstPositionLM(sliced=False), monkeypatch, drift_positions="all")
     assert len(loss_pos) == len(cut) == len(every) == 6 and loss_pos[0] == cut[0] == every[0] == 0.0  # blend 0
     assert loss_pos[1:] == pytest.approx(cut[1:], rel=1e-5) and min(cut[1:]) > 0
     assert all(abs(a - b) > 1e-3 * b for a, b in zip(every[1:], cut[1:]))
@@ -628,5 +631,5 @@ def test_where_the_loss_counts_every_position_the_two_drifts_are_the_same_bit_fo
     torch.manual_seed(0)
     at_loss = _raw_drifts(tmp_path / "loss", LM("demo", lr=0.0), monkeypatch, drift_positions="loss")
     torch.manual_seed(0)
-    every = _raw_drifts(tmp_path / "all", LM("demo", lr=0.0), monkeypatch)
+    every = _raw_drifts(tmp_path / "all", LM("demo", lr=0.0), monkeypatch, drift_positions="all")
     assert at_loss == every and max(every) > 0

@@ -370,7 +370,7 @@ EXAMPLES = [
 
 # ------------------------------------------------------------------ migrate_suite (examples/migrate_suite.py)
 
-_SUITE_ARMS = ("hard", "default", "closed_S0.6_t0.02", "closed_S0.6_t0.05")
+_SUITE_ARMS = ("hard", "default", "closed_S0.6_t0.02", "closed_S0.6_t0.05", "closed_S0.6_t0.05_lp")
 
 
 def _suite_cell(r: dict | None) -> str:
@@ -401,7 +401,9 @@ def migrate_suite() -> str:
         "wander, if larger), within the unchanged run's compute, blend 1 reached. `default` is the deprecated open loop "
         "(`transition_steps` = a third of the budget); the closed loops have a budget of 0.6 of it. The default tolerance "
         "(`closed_S0.6_t0.05`) was picked on the tuning half and run untouched on the held-out half; the methods tried "
-        f"after it (the last pick: `{d['rule_picks']}`) and how each did are on the results page. " + _caption("migrate_suite")])
+        f"after it (the last pick: `{d['rule_picks']}`) and how each did are on the results page. `closed_S0.6_t0.05_lp` "
+        "is the library's default since order 13 (`TransitionSpec(steps, tolerance=0.05)`, its drift taken over the "
+        "positions the loss counts): it differs from `closed_S0.6_t0.05` only on a masked LM. " + _caption("migrate_suite")])
 
 
 def migrate_suite_needs() -> str:
@@ -414,12 +416,18 @@ def migrate_suite_needs() -> str:
     order = list(d["models"])
     for r in sorted(rows, key=lambda r: (order.index(r["model"]), r["arm"], r["budget"])):
         tol = r["arm"].rpartition("_t")[2]
+        suffix = ""
+        if tol.endswith("_e0"):  # no endpoint steps (TransitionSpec(endpoint_fraction=0))
+            tol, suffix = tol[:-3], ", no endpoint steps"
+        if tol.endswith("_lp"):  # the drift over the loss's positions (TransitionSpec(drift_positions="loss"))
+            tol, suffix = tol[:-3], ", at the loss's positions" + suffix
         if "_L" in tol:  # the loss gate as well: TransitionSpec(tolerance=..., loss_tolerance=...)
             kl, _, loss = tol.partition("_L")
             tol = f"{kl}, loss rise {loss}"
         elif "_k" in tol:  # the tolerance that follows the training drift: max(base, k x training drift)
             base, _, k = tol.partition("_k")
             tol = f"max({base}, {k} x training drift)"
+        tol += suffix
         steps = round(float(r["arm"].split("_S")[1].split("_")[0]) * r["budget"])
         end = (str(r["transition_end"]) if r["transition_end"] is not None
                else f"not reached: blend {r['blend_reached']:.2f} at the budget's end")
