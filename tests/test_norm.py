@@ -24,7 +24,7 @@ from torch import nn
 
 from _helpers_norm_cases import cases, compiled_cpu_kernels
 from ln_lightning.testing.norm import (
-    Case, assert_narrow_rows_accurate, assert_rows_independent, assert_within_torch_error, layer_norm_formula,
+    Case, assert_narrow_rows_accurate, assert_rows_independent, assert_within_torch_error, layer_norm_formula, rel_err,
 )
 from ln_lightning.norm import (
     FusedAddLayerNorm,
@@ -121,10 +121,6 @@ def torch_path(request, monkeypatch):
 
 def _leaves(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
-
-
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -356,7 +352,7 @@ def test_fused_add_matches_the_float64_formula(torch_path):
     want = (y64, h64, *torch.autograd.grad([y64, h64], ref, [gy.double(), gh.double()]))
     for name, a, e in zip(("y", "h", "dx", "dresidual", "dweight", "dbias"), got, want):
         assert a.dtype == dtype, name
-        assert _rel_err(a, e) < _tol(dtype), (name, _rel_err(a, e))
+        assert rel_err(a, e) < _tol(dtype), (name, rel_err(a, e))
     assert calls == (["forward", "backward"] if path == "compiled" else [])
     # Only the residual is used downstream: the LayerNorm contributes nothing, exactly.
     leaves = _leaves(x, r, w, b)
@@ -378,16 +374,16 @@ def test_multi_dim_normalized_shape(torch_path):
     x, r = (torch.randn(3, 4, 6, generator=g).to(dtype) for _ in range(2))
     w64, b64 = ref.weight.detach().to(dtype).double(), ref.bias.detach().to(dtype).double()
     plain = layer_norm_formula(x.double(), (4, 6), w64, b64)
-    assert _rel_err(ln(x), plain) < _tol(dtype)
+    assert rel_err(ln(x), plain) < _tol(dtype)
     y, h = add(x, r)
-    assert _rel_err(y, layer_norm_formula(x.double() + r.double(), (4, 6), w64, b64)) < _tol(dtype)
+    assert rel_err(y, layer_norm_formula(x.double() + r.double(), (4, 6), w64, b64)) < _tol(dtype)
     assert torch.equal(h, x + r)
     # The gradients of the flattened (rows, 24) op, reshaped back.
     xx = x.clone().requires_grad_()
     (dx,) = torch.autograd.grad(ln(xx).square().sum(), [xx])
     x64 = x.double().requires_grad_()
     (dx64,) = torch.autograd.grad(layer_norm_formula(x64, (4, 6), w64, b64).square().sum(), [x64])
-    assert dx.shape == x.shape and _rel_err(dx, dx64) < _tol(dtype)
+    assert dx.shape == x.shape and rel_err(dx, dx64) < _tol(dtype)
     if calls:  # the compiled path ran them for both modules
         assert calls.count("forward") == 3 and calls.count("backward") == 1
 
@@ -422,10 +418,10 @@ def test_cpu_autocast_keeps_nn_layernorms_dtypes(torch_path):
         for inp in (x, x.bfloat16()):
             out = ln(inp)
             assert out.dtype == ref(inp).dtype
-            assert _rel_err(out, layer_norm_formula(inp.double(), (16,), w64, b64)) < _tol(out.dtype)
+            assert rel_err(out, layer_norm_formula(inp.double(), (16,), w64, b64)) < _tol(out.dtype)
         y, h = fused_add_layer_norm(x.bfloat16(), r.bfloat16(), ref.weight, ref.bias, backend="torch")
         assert y.dtype == ref(x.bfloat16() + r.bfloat16()).dtype and h.dtype == torch.bfloat16
-    assert _rel_err(y, layer_norm_formula(h.double(), (16,), w64, b64)) < 1e-2
+    assert rel_err(y, layer_norm_formula(h.double(), (16,), w64, b64)) < 1e-2
 
 
 # --------------------------------------------------------------------------- errors and backends

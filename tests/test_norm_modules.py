@@ -14,14 +14,12 @@ import torch
 from torch import nn
 
 from ln_lightning.norm import FusedAddLayerNorm, FusedAddRMSNorm, FusedLayerNorm, FusedRMSNorm, swap_layernorms
-from ln_lightning.testing.norm import layer_norm_formula
+from ln_lightning.testing.norm import layer_norm_formula, rel_err, rms_norm_formula
 
 
 def _rms_formula(h, shape, weight=None, bias=None, eps=1e-5):
-    # RMSNorm written out in elementary ops (float64 references); `bias` is always None.
-    dims = tuple(range(-len(tuple(shape)), 0))
-    y = h * torch.rsqrt(h.square().mean(dims, keepdim=True) + eps)
-    return y if weight is None else y * weight
+    # layer_norm_formula's signature (`bias` is always None for an RMSNorm)
+    return rms_norm_formula(h, shape, weight, eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +45,6 @@ KINDS = [
 kinds = pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-
-
 @kinds
 def test_drop_in_for_the_torch_class_in_signature_state_and_results(kind):
     assert inspect.signature(kind.fused.__init__) == inspect.signature(kind.torch_class.__init__)
@@ -64,7 +58,7 @@ def test_drop_in_for_the_torch_class_in_signature_state_and_results(kind):
         assert all(torch.equal(fused.state_dict()[k], v) for k, v in ref.state_dict().items())
         x = torch.randn(4, 16, dtype=kwargs.get("dtype", torch.float32))
         # the loaded values are the ones it computes with, against the float64 formula
-        assert _rel_err(fused(x), kind.formula(x.double(), (16,), *kind.params(ref), fused.eps)) < 1e-5
+        assert rel_err(fused(x), kind.formula(x.double(), (16,), *kind.params(ref), fused.eps)) < 1e-5
         back = kind.torch_class(16, **kwargs)
         back.load_state_dict(fused.state_dict(), strict=True)
         assert all(torch.equal(back.state_dict()[k], v) for k, v in ref.state_dict().items())
@@ -100,7 +94,7 @@ def test_fused_add_module_residual_in_fp32_and_none_residual(kind):
     y, h = norm(x, r)
     assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
     torch.testing.assert_close(h, x.float() + r.float(), rtol=0, atol=0)
-    assert _rel_err(y, kind.formula(h.double(), (12,), *kind.params(norm))) < 1e-2
+    assert rel_err(y, kind.formula(h.double(), (12,), *kind.params(norm))) < 1e-2
     x32 = torch.randn(3, 12)
     y, h = kind.fused_add(12)(x32)
     assert h is x32  # residual=None: the plain norm, the input is the new residual

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 from _helpers_norm_cases import rms_cases
-from ln_lightning.testing.norm import Case, assert_narrow_rows_accurate
+from ln_lightning.testing.norm import Case, assert_narrow_rows_accurate, rms_norm_formula
 from ln_lightning.testing.norm_rms import (
     EPS, RMSCase, assert_each_row_within_torch_error, assert_rows_independent, assert_within_torch_error,
 )
@@ -155,7 +155,7 @@ def test_fused_add_matches_the_float64_formula(dtype, cpu_path):
     got = (y, h, *torch.autograd.grad([y, h], leaves, [gy, gh]))
     ref = [t.double().requires_grad_() for t in (x, r, w)]
     h64 = ref[0] + ref[1]
-    y64 = h64 * torch.rsqrt(h64.square().mean(-1, keepdim=True) + EPS) * ref[2]
+    y64 = rms_norm_formula(h64, (48,), ref[2], EPS)
     want = (y64, h64, *torch.autograd.grad([y64, h64], ref, [gy.double(), gh.double()]))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for what, a, e in zip(("y", "h", "dx", "dresidual", "dweight"), got, want):

@@ -65,6 +65,20 @@ def layer_norm_formula(h: torch.Tensor, normalized_shape, weight: Optional[torch
     return y + bias if bias is not None else y
 
 
+def rms_norm_formula(h: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,
+                     eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm written out (``h / sqrt(mean(h**2) + eps) * weight`` over the last
+    ``len(normalized_shape)`` dims), :func:`layer_norm_formula`'s twin for float64 references."""
+    dims = tuple(range(-len(tuple(normalized_shape)), 0))
+    y = h * torch.rsqrt(h.square().mean(dims, keepdim=True) + eps)
+    return y * weight if weight is not None else y
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (``want`` a float64 reference)."""
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def run_with_grads(x, r, w, b, gy, gh, fn):
     leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, r, w, b)]
     y, h = fn(*leaves)
