@@ -71,3 +71,10 @@ def _processes_need_the_slow_mark(request, monkeypatch):
     # Other executables (ninja and g++ building the CPU kernels on first use) stay allowed.
     monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen_init)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_start)
+
+
+def pytest_collection_modifyitems(config, items):
+    # The `slow` tests first (a stable sort: each group keeps its order). On two workers fed one test at a time
+    # (the README's `-n 2 --maxschedchunk 1`) the minutes-long ones start early and the ~1,100 quick ones fill
+    # the end, instead of one worker running a three-minute test alone after the other has finished.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -17,7 +17,7 @@ GUIDES = sorted((ROOT / "docs" / "guides").glob("*.md"))
 MAIN_JOB = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && "
             "ln-lightning fit --config configs/demo_migrate_prenorm.yaml")
 TEST_SUITE = ('python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[dev,hf,triton]" && '
-              "python -m pytest -q")
+              "python -m pytest -q -n 2 --maxschedchunk 1")
 
 
 def test_api_pages_match_all(capsys):
