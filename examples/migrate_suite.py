@@ -73,6 +73,8 @@ GOAL_LOSS_GATE_ARM = "closed_S0.6_t0.05_L0.03"
 LOSS_POSITIONS_ARM = "closed_S0.6_t0.05_lp"
 # It with no endpoint steps (TransitionSpec.endpoint_fraction=0): every step trains at the held blend (order 13).
 ENDPOINT_FREE_ARM = "closed_S0.6_t0.05_lp_e0"
+# It also gated on the training loss's paired excess over the trained function's (TransitionSpec.excess_tolerance) (order 14).
+EXCESS_GATE_ARM = "closed_S0.6_t0.05_lp_x0.02"
 
 # The order in which methods were tried, and on which half each was chosen (appended as methods are tried).
 METHODS_TRIED = [
@@ -261,6 +263,8 @@ METHODS_TRIED = [
     {"order": 13, "arms": [LOSS_POSITIONS_ARM, ENDPOINT_FREE_ARM],
      "on": "the TUNING half (closed_S0.6_t0.05_lp_e0, 10 runs); the HELD-OUT half (closed_S0.6_t0.05_lp, order 12's pick)",
      "note": "registered before any of its runs. After orders 11-12: on the two tuning models every arm fails (xt_encoder_mlm, marian_seq2seq), and on marian_seq2seq the worst excess comes early in every closed arm (+0.041 at step 20 at B600, where the closed loop's blend is at most 20 x 1/135 = 0.15), while the unchanged run's worst is +0.003. The models every arm fails are those whose end point is far: a hard switch costs +1.68 (xt_encoder_mlm), +1.20 (marian_seq2seq) and +1.35 (the held-out xt_decoder) against +0.45 (charlm); and a quarter of the transition's steps (TransitionSpec.endpoint_fraction 0.25, chosen on the study LM) train at blend 1, from the second step on, with the gradients of a function that far from the trained one, on the weights the held blend shares. closed_S0.6_t0.05_lp_e0: closed_S0.6_t0.05_lp (order 12's pick) with TransitionSpec(endpoint_fraction=0): every step trains at the held blend; nothing else changed (its ramp still takes 0.5 x 0.6 B steps when nothing holds the blend: the increment per step that is not an endpoint step is 1/(0.5 x 0.6 B) instead of 1/(0.375 x 0.6 B)). The rule, fixed before the runs (orders 11-12's): among closed_S0.6_t0.05_lp (the incumbent from this order on: order 12's pick) and closed_S0.6_t0.05_lp_e0 over the 10 tuning runs: most runs meeting the goal (blend 1 reached included), then the smaller largest band share, a win needing WIN_MARGIN (0.05) of the band; a tie keeps the incumbent. Only if it wins does it run on the HELD-OUT half, untouched (no run there had an endpoint_fraction other than 0.25). And closed_S0.6_t0.05_lp, order 12's pick, on the HELD-OUT half, untouched: its loss counts every position on the three held-out models, so its runs there are expected to be closed_S0.6_t0.05's at every evaluation; any difference is a finding about drift_positions='loss', not a choice. Outcome (after the runs): closed_S0.6_t0.05_lp_e0 meets 6 of 10, as the incumbent, and its largest band share is 1.737 (marian_seq2seq B300, worst +0.0521 at step 20) against the incumbent's 1.649 (+0.0495 at step 40 there): the incumbent stays. The hypothesis does not hold: without endpoint steps marian_seq2seq's worst excess still comes in the first 20 steps at B300; what its runs show instead is that at a drift tolerance of 0.05 nats the held-out loss rises by about that much, above the goal's 0.03, on a model whose band is the goal's floor. Per model, against the incumbent: charlm +0.0254 / +0.0224 (against +0.0216 / +0.0204), bert_mlm +0.0253 / +0.0269 (+0.0249 / +0.0262), encoder_cls +0.0376 / +0.1066 (+0.0564 / +0.1046), all reaching blend 1; xt_encoder_mlm stops short lower (blend 0.556 / 0.600 against 0.607 / 0.696) at worst +0.0234 / +0.0039, B300's final +0.0356 over unchanged (band 0.02), B600 within the goal and said so at step 101 of 360; marian_seq2seq blends further (0.589 / 0.894 against 0.474 / 0.822) at worst +0.0521 / +0.0390. closed_S0.6_t0.05_lp on the HELD-OUT half, untouched: 4 of 6, every figure the default's (closed_S0.6_t0.05's): deep_dropout_lm and bart_denoise the same worst excess, final and transition end as its rows (+0.0220 / +0.0119; +0.0248 / +0.0219), xt_decoder fails both budgets as it does (worst +0.0373 / +0.0361, blend 0.756 / 0.978), its final held-out losses (1.6549, 1.6517) those of the default re-run on 785ee91 (HISTORY), the default's code today, where the table's rows (be7ead4) kept the teacher after the budget. So drift_positions='loss' gives the default's figures on every model whose loss counts every position (6 held-out and 6 tuning runs) and on bert_mlm, within rounding and the pretraining's repeat, and on the masked LM every arm fails it stops and says so where the default finished at three times the goal's excess: TransitionSpec's closed loop takes it as its default from this order on (drift_positions=None resolves to 'loss' in the closed loop, 'all' in the open loop)."},
+    {"order": 14, "arms": [EXCESS_GATE_ARM], "on": "the TUNING half (10 runs)",
+     "note": "registered before any of its runs. After order 13: at a drift tolerance of 0.05 nats the held-out loss rises by about that much on the models whose band is the goal's floor (marian_seq2seq +0.050 at step 40, xt_decoder +0.037), and a lower drift tolerance stalls encoder_cls, whose own training moves its function (order 6: t0.03, blend 0.80 / 0.89): the KL from the trained function is not the loss a migration is judged by, and the loss gates (orders 9-11) measured the loss's trajectory, which training's progress and the batches' difficulty move too (encoder_cls: its training loss falls while its held-out loss rises). closed_S0.6_t0.05_lp_x0.02: closed_S0.6_t0.05_lp (the incumbent) whose blend also holds while the training loss's excess over the trained function's on the same batch (the same inputs and dropout masks: the teacher's forward the drift already runs), smoothed as the drift is (EMA 0.8), is above 0.02 (TransitionSpec(excess_tolerance=0.02), ln_lightning at this order's commit): paired, so neither the batch nor training's progress moves it, and exact for a softmax cross-entropy (computed from the loss's gradient with respect to the output, from the backward drift_positions='loss' already runs: its cost is the loss head's backward, not counted in the units, as for the incumbent). 0.02 fixed before any run, as order 9's: the goal's 0.03 less a third for the smoothing's lag and the gap between training and held-out batches; not tuned. The rule, fixed before the runs (orders 11-13's): among closed_S0.6_t0.05_lp (the incumbent) and closed_S0.6_t0.05_lp_x0.02 over the 10 tuning runs: most runs meeting the goal (blend 1 reached included), then the smaller largest band share, a win needing WIN_MARGIN (0.05) of the band; a tie keeps the incumbent. Reported beside it, not part of the rule: the runs that stop short within the goal and say so before the budget's end (the acceptance's second clause). Only if it wins does it run on the HELD-OUT half, untouched."},
 ]
 
 
@@ -360,6 +364,24 @@ ARMS[LOSS_POSITIONS_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=
 ARMS[ENDPOINT_FREE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, drift_positions="loss", '
                            'endpoint_fraction=0), resume_unconverted=True): closed_S0.6_t0.05_lp with no endpoint steps: '
                            "every step of the transition trains at the held blend", _closed_at_loss_positions(0.6, 0.05, 0.0))
+
+
+def _closed_excess_gated(fraction: float, tolerance: float, excess_tolerance: float):
+    """The closed loop (drift at the loss's positions) that also holds while the loss's paired excess is over a tolerance."""
+
+    def build(B):
+        from ln_lightning import TransitionSpec
+
+        return _plugin(transition=TransitionSpec(steps=max(1, round(fraction * B)), tolerance=tolerance,
+                                                 drift_positions="loss", excess_tolerance=excess_tolerance))
+
+    return build
+
+
+ARMS[EXCESS_GATE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02), '
+                         "resume_unconverted=True): closed_S0.6_t0.05_lp whose blend also holds while the training loss's "
+                         "excess over the trained function's on the same batch (same inputs and dropout masks), smoothed, "
+                         "is above 0.02", _closed_excess_gated(0.6, 0.05, 0.02))
 
 # Endpoint calibration (examples/migrate_suite/endpoint_calibration.py): the closed loop of closed_S0.6_t0.05, plus a fit
 # of the end point's own parameters (branch scales C_k, the added final norm's gain and bias) to the trained function

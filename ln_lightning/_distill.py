@@ -26,7 +26,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from ln_lightning.placement.migrate import blend
-from ln_lightning.placement.migrate.teacher import (frozen_copy, kl_per_position, kl_to_teacher, logits_of,
+from ln_lightning.placement.migrate.teacher import (frozen_copy, kl_per_position, kl_to_teacher, logits_of, loss_excess,
                                                     mean_where_the_loss_looks, trained_output)
 
 CHECKPOINT_KEY = "ln_lightning_teacher"
@@ -36,12 +36,15 @@ _STEP = "training_step"
 class Distillation:
     """One transition's distillation in one Trainer call (built by LNPlacement at the first training batch)."""
 
-    def __init__(self, weight: float, reference: str = "trained", drift_at_loss: bool = False):
+    def __init__(self, weight: float, reference: str = "trained", drift_at_loss: bool = False, excess: bool = False):
         self.weight = weight
         # TransitionSpec.drift_positions == "loss": the drift the closed loop gates on is the KL over the positions the
         # training loss depends on (its gradient with respect to the output not zero), not over every position.
         self.drift_at_loss = drift_at_loss
-        self._positions: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (KL per position, the output)
+        # TransitionSpec.excess_tolerance: the loss's excess over the trained function's on each batch, too (teacher.loss_excess).
+        self.excess = excess
+        self._positions: list[tuple] = []  # this step's (KL per position, the output, the teacher's output)
+        self._excesses: list[torch.Tensor] = []  # this optimizer step's loss excesses (every micro-batch)
         # "trained": a frozen copy of the model at the transition's start. "current": the model itself, pinned at
         # blend 0 (the function as written with the weights it has now): what the blend changes, not what training
         # has learnt since (a copy's KL grows with that too).
@@ -130,6 +133,7 @@ class Distillation:
             self._pre_handle.remove()
             self._pre_handle = None
         self._rng, self._drift, self._pending, self._positions, self._training_drift = None, [], [], [], []
+        self._excesses = []
         if self._module is not None and self._module.__dict__.get(_STEP) is self._wrapper:
             del self._module.__dict__[_STEP]
 
@@ -154,6 +158,12 @@ class Distillation:
         None if none ran), and start the next step's."""
         drift, self._drift = self._drift, []
         return torch.stack(drift).mean() if drift else None
+
+    def take_excess(self) -> torch.Tensor | None:
+        """The mean over this optimizer step's micro-batches of the training loss's excess over the trained function's
+        on the same batch (a 0-dim device tensor; None if none was measured), and start the next step's."""
+        excess, self._excesses = self._excesses, []
+        return torch.stack(excess).mean() if excess else None
 
     def take_loss(self) -> torch.Tensor | None:
         """The mean loss ``training_step`` returned in this optimizer step's micro-batches, before the distillation
@@ -213,8 +223,8 @@ class Distillation:
             return None
         kl = kl_per_position(student, taught)
         self._pending.append(kl.mean())
-        if self.drift_at_loss:
-            self._positions.append((kl.detach(), student))
+        if self.drift_at_loss or self.excess:
+            self._positions.append((kl.detach(), student, taught))
         if self.measure_training_drift and not self.live:
             # The same inputs and random numbers at blend 0: what training alone changed since the transition began.
             with _replayed(rng):
@@ -224,19 +234,19 @@ class Distillation:
         return None
 
     @staticmethod
-    def _drift_where_the_loss_looks(loss, positions: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        # Which positions the loss depends on: its gradient with respect to each output, by a backward through the
-        # loss alone (the outputs are not leaves: no weight gradient is computed, and the graph is kept for the step's
-        # own backward).
+    def _loss_grads(loss, positions: list[tuple]) -> list:
+        # The loss's gradient with respect to each output (None where it does not depend on it), by a backward through
+        # the loss alone (the outputs are not leaves: no weight gradient is computed, and the graph is kept for the
+        # step's own backward).
         grads: list = [None] * len(positions)
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
-            wanted = [i for i, (_, out) in enumerate(positions) if out.requires_grad]
+            wanted = [i for i, p in enumerate(positions) if p[1].requires_grad]
             if wanted:
                 found = torch.autograd.grad(loss.reshape(()), [positions[i][1] for i in wanted], retain_graph=True,
                                             allow_unused=True)
                 for i, g in zip(wanted, found):
                     grads[i] = g
-        return torch.stack([mean_where_the_loss_looks(kl, g) for (kl, _), g in zip(positions, grads)]).mean().detach()
+        return grads
 
     def _training_step(self, original, *args: Any, **kwargs: Any):
         self._in_step = True
@@ -253,7 +263,13 @@ class Distillation:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self._losses.append(loss.detach().float().reshape(()))
         kl = torch.stack(pending).mean()
-        self._drift.append(kl.detach() if not positions else self._drift_where_the_loss_looks(loss, positions))
+        grads = self._loss_grads(loss, positions) if positions else []
+        if self.drift_at_loss and positions:  # the KL over the positions the loss depends on
+            self._drift.append(torch.stack([mean_where_the_loss_looks(p[0], g) for p, g in zip(positions, grads)]).mean().detach())
+        else:
+            self._drift.append(kl.detach())
+        if self.excess and positions:  # each forward's share of the loss: their excesses add up
+            self._excesses.append(torch.stack([loss_excess(g, p[1], p[2]) for p, g in zip(positions, grads)]).sum())
         self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)
         if not self.weight:  # measured for the closed loop only, not trained towards
             return out

@@ -43,6 +43,7 @@ class TransitionRun:
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
         self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
         self.loss_gate = _LossGate(spec.loss_tolerance, spec.steps) if spec.loss_tolerance is not None else None
+        self.excess: torch.Tensor | None = None  # TransitionSpec.excess_tolerance: the smoothed loss excess (device)
 
     # ------------------------------------------------------------------ the plugin's calls
     def start(self, trainer: Trainer, pl_module: LightningModule, t) -> None:
@@ -56,12 +57,13 @@ class TransitionRun:
                  f"{self.loss_gate.baseline_steps} held-blend steps.")
         if spec.distill <= 0 and not t.closed:
             return
-        self.distill = Distillation(spec.distill, spec.reference, drift_at_loss=spec.drift_positions == "loss")
+        self.distill = Distillation(spec.distill, spec.reference, drift_at_loss=spec.drift_positions == "loss",
+                                    excess=spec.excess_tolerance is not None)
         self.distill.saved_state = self.teacher_state
         reason = self.distill.start(trainer, pl_module, t.host_steps)
         if reason is not None:
             self.distill.off_reason = reason
-            self._warn_no_distillation(trainer, reason, t, self.spec.loss_tolerance)
+            self._warn_no_distillation(trainer, reason, t, self.spec.loss_tolerance, self.spec.excess_tolerance)
 
     def begin_step(self, pl_module: LightningModule) -> None:
         """Before a training batch: hold the blend, log it, and say whether this step trains at the end point."""
@@ -108,7 +110,7 @@ class TransitionRun:
                      "was nothing to compare with the trained function")
         if distill is not None and distill.active and distill.off_reason is not None:
             distill.stop(keep=False)
-            self._warn_no_distillation(trainer, distill.off_reason, t, self.spec.loss_tolerance)
+            self._warn_no_distillation(trainer, distill.off_reason, t, self.spec.loss_tolerance, self.spec.excess_tolerance)
         if t is None:
             return
         if not stepped:
@@ -164,6 +166,7 @@ class TransitionRun:
         spec, distill = self.spec, self.distill
         drift = distill.take_drift() if distill is not None and distill.active else None
         loss = distill.take_loss() if distill is not None and distill.active else None
+        excess = distill.take_excess() if distill is not None and distill.active else None
         if self.over_budget:
             return None
         if not self.endpoint:  # an endpoint step's drift (and loss) is the end point's, not the held blend's
@@ -177,6 +180,10 @@ class TransitionRun:
                 allow = self.loss_gate.update(trainer.strategy.reduce(loss, reduce_op="mean"))
                 if self.loss_gate.rise is not None:
                     pl_module.log("ln_placement/loss_rise", self.loss_gate.rise.clone(), on_step=True, on_epoch=False)
+            if spec.excess_tolerance is not None:
+                held = self._excess_gate(trainer, excess, t.blend.device)
+                pl_module.log("ln_placement/loss_excess", self.excess.clone(), on_step=True, on_epoch=False)
+                allow = held if allow is None else allow & held
             t.gate(drift, self._tolerance(trainer, pl_module, distill), spec.rate(), allow=allow)
             # the smoothed drift the loop just gated on (logged after the gate: never the -1 of "not measured yet")
             pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
@@ -198,6 +205,21 @@ class TransitionRun:
                      f"{self.placement}-norm stands at blend {a:.3g}: {self._pace_words(need)}. Unless "
                      "that changes it will stop where it stands at the budget's end, not finish.")
         return a
+
+    def _excess_gate(self, trainer: Trainer, excess: torch.Tensor | None, device) -> torch.Tensor:
+        """TransitionSpec.excess_tolerance's verdict on this step (a 0-dim bool tensor, the same on every rank): the
+        loss excess over the trained function's, reduced over the ranks and smoothed as the drift is (EMA 0.8, from
+        the first measurement). A step that measured none (a rank with no loss seen: NaN, left out) keeps the
+        smoothed value."""
+        if excess is None:
+            excess = torch.full((), float("nan"), device=device)
+        excess = trainer.strategy.reduce(excess.float(), reduce_op="mean")
+        finite = torch.isfinite(excess)
+        if self.excess is None:
+            self.excess = torch.where(finite, excess, torch.zeros_like(excess))
+        else:
+            self.excess = torch.where(finite, 0.8 * self.excess + 0.2 * excess, self.excess)
+        return self.excess <= self.spec.excess_tolerance
 
     def _tolerance(self, trainer: Trainer, pl_module: LightningModule, distill: Distillation | None):
         """The tolerance this step gates at: the spec's, or (training_drift_factor) at least that factor times the
@@ -225,19 +247,30 @@ class TransitionRun:
                            "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since}
         if self.loss_gate is not None:
             self.unfinished.update(loss_tolerance=spec.loss_tolerance, loss_rise=self.loss_gate.read())
+        if spec.excess_tolerance is not None:
+            self.unfinished.update(excess_tolerance=spec.excess_tolerance, loss_excess=self._excess_read())
         if trainer.is_global_zero:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
                  f"blend {a:.4g} ({self._tolerances()}); {self._pace_words(need)}. "
                  f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
                  "load back into it), and the fit goes on there. Continue with a larger budget, "
                  f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
-                 + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "") + ")), "
+                 + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
+                 + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance is not None else "") + ")), "
                  "or accept more drift with a larger tolerance.")
 
     def _tolerances(self) -> str:
         spec = self.spec
         words = f"drift tolerance {spec.tolerance:g}"
-        return words if spec.loss_tolerance is None else words + f", loss tolerance {spec.loss_tolerance:g}"
+        if spec.loss_tolerance is not None:
+            words += f", loss tolerance {spec.loss_tolerance:g}"
+        if spec.excess_tolerance is not None:
+            words += f", loss excess tolerance {spec.excess_tolerance:g}"
+        return words
+
+    def _excess_read(self) -> float | None:
+        """The smoothed loss excess on the host (one read: for warnings and the report, never per step)."""
+        return None if self.excess is None else float(self.excess)
 
     def _pace_words(self, need: int | None) -> str:
         """Why the blend moves as it does (a host read of the loss gate's state: only when a warning is written)."""
@@ -245,6 +278,11 @@ class TransitionRun:
             return f"at its recent pace it needs about {need} steps in all"
         since = "" if self.pace.still_since is None else f" since step {self.pace.still_since}"
         rise = None if self.loss_gate is None else self.loss_gate.read()
+        excess = None if self.spec.excess_tolerance is None else self._excess_read()
+        if excess is not None and excess > self.spec.excess_tolerance:
+            return (f"the blend has not moved{since}: the training loss stays {excess:.3g} above the trained function's "
+                    f"on the same batches, over the loss excess tolerance ({self.spec.excess_tolerance:g}), faster than "
+                    "training brings it back")
         if rise is not None and rise > self.spec.loss_tolerance:
             return (f"the blend has not moved{since}: the training loss stays {rise:.3g} above where the transition "
                     f"started, over the loss tolerance ({self.spec.loss_tolerance:g}), faster than training brings it back")
@@ -252,12 +290,16 @@ class TransitionRun:
                 f"({self.spec.tolerance:g}) faster than training brings it back")
 
     @staticmethod
-    def _warn_no_distillation(trainer: Trainer, reason: str, t=None, loss_tolerance: float | None = None) -> None:
+    def _warn_no_distillation(trainer: Trainer, reason: str, t=None, loss_tolerance: float | None = None,
+                              excess_tolerance: float | None = None) -> None:
         if not trainer.is_global_zero:
             return
         if t is not None and t.closed:
-            loss = "" if loss_tolerance is None else ", nor its training loss's rise (loss_tolerance)"
-            off = "tolerance=None, distill=0" if loss_tolerance is None else "tolerance=None, loss_tolerance=None, distill=0"
+            excess = excess_tolerance is not None
+            loss = ("" if loss_tolerance is None else ", nor its training loss's rise (loss_tolerance)") + (
+                ", nor its loss excess (excess_tolerance)" if excess else "")
+            off = ("tolerance=None" + ("" if loss_tolerance is None else ", loss_tolerance=None")
+                   + (", excess_tolerance=None" if excess else "") + ", distill=0")
             warn(f"LNPlacement: the closed-loop transition can't measure its drift from the trained function{loss}: "
                  f"{reason}. Its blend ramps at the budget's pace instead, without a tolerance (as TransitionSpec(..., "
                  f"{off}) would; pass that to ask for it and silence this).")

@@ -316,8 +316,8 @@ class _Spy(Callback):
 
 
 @pytest.mark.parametrize("spec", [dict(steps=20), dict(steps=20, tolerance=None), dict(steps=20, loss_tolerance=0.5),
-                                  dict(steps=20, drift_positions="loss")],
-                         ids=["closed", "open", "loss-gate", "drift-at-the-loss"])
+                                  dict(steps=20, drift_positions="loss"), dict(steps=20, excess_tolerance=0.5)],
+                         ids=["closed", "open", "loss-gate", "drift-at-the-loss", "loss-excess"])
 def test_no_host_read_from_the_plugin_on_transition_steps_that_do_not_log(tmp_path, spec):
     spy = _Spy()
     trainer(tmp_path, _plugin(**spec), max_steps=8, callbacks=[spy], log_every_n_steps=1000).fit(

@@ -132,6 +132,16 @@ class TransitionSpec:
             position, and on the x-transformers masked LM, which every method fails, a transition that stops short
             and says so where ``"all"`` finished at three times the goal's excess (+0.096). The distillation term and
             ``ln_placement/distill_kl`` stay the mean over every position.
+        excess_tolerance: closed loop: ``None``, off. A number: the blend also holds while the training loss's excess
+            over the trained function's on the same batch (the same inputs and dropout masks: the teacher's forward
+            the drift already runs) is above this, in the loss's own units (nats for a cross-entropy), smoothed as
+            the drift is. It is what a migration is judged by (the loss it adds), measured where the loss is,
+            paired, so neither the batch's own difficulty nor training's progress moves it (``loss_tolerance``'s
+            loss trajectory has both). Computed from the loss's gradient with respect to the output (the backward
+            ``drift_positions="loss"`` runs): exactly for a softmax cross-entropy with hard labels, whatever its
+            weights or ignored positions; for any other loss the first-order term, an upper bound for a loss convex
+            in the output, so the blend holds earlier, never later. Endpoint steps are not counted. Logged as
+            ``ln_placement/loss_excess``. It needs the distillation's hooks, as ``loss_tolerance`` does.
     """
 
     steps: int
@@ -146,6 +156,7 @@ class TransitionSpec:
     training_drift_every: int = 8
     loss_tolerance: float | None = None
     drift_positions: str | None = None  # "loss" in the closed loop, "all" in the open loop
+    excess_tolerance: float | None = None
 
     def __post_init__(self):
         steps = self.steps
@@ -195,6 +206,14 @@ class TransitionSpec:
             if tol is None:
                 raise ValueError("TransitionSpec: loss_tolerance gates the closed loop's blend; the open loop "
                                  "(tolerance=None) follows its schedule. Give a tolerance, or drop loss_tolerance.")
+        xt = self.excess_tolerance
+        if xt is not None:
+            if not _positive(xt):
+                raise ValueError(f"TransitionSpec: excess_tolerance must be a positive number (the loss's units) or None "
+                                 f"(off), got {xt!r}.")
+            if tol is None:
+                raise ValueError("TransitionSpec: excess_tolerance gates the closed loop's blend; the open loop "
+                                 "(tolerance=None) follows its schedule. Give a tolerance, or drop excess_tolerance.")
         if self.drift_positions is None:
             object.__setattr__(self, "drift_positions", "all" if tol is None else "loss")
         if self.drift_positions not in DRIFT_POSITIONS:
@@ -203,7 +222,8 @@ class TransitionSpec:
         if self.drift_positions != "all" and tol is None:
             raise ValueError("TransitionSpec: drift_positions says where the closed loop measures the drift it gates on; "
                              "the open loop (tolerance=None) gates on none. Give a tolerance, or drop drift_positions.")
-        for name in ("tolerance", "ramp", "endpoint_fraction", "distill", "training_drift_factor", "loss_tolerance"):
+        for name in ("tolerance", "ramp", "endpoint_fraction", "distill", "training_drift_factor", "loss_tolerance",
+                     "excess_tolerance"):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(value))

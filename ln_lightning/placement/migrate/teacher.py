@@ -121,4 +121,35 @@ def mean_where_the_loss_looks(kl: torch.Tensor, loss_grad: torch.Tensor | None) 
     return torch.where((n > 0) & (n < kl.numel()), (kl * looked).sum() / n.clamp(min=1), kl.mean())
 
 
-__all__ = ["frozen_copy", "kl_per_position", "kl_to_teacher", "logits_of", "mean_where_the_loss_looks", "trained_output"]
+def loss_excess(loss_grad: torch.Tensor | None, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """L(student) - L(teacher): how much more the training loss is on this batch for the model's output than it would
+    be for the trained function's (the same inputs and dropout masks), from `loss_grad` (the loss's gradient with
+    respect to `student`; None: the loss does not depend on it, 0). A 0-dim float tensor, on the device.
+
+    With ``d = student - teacher`` and ``g = loss_grad``, ``<g, d>`` is the first-order difference, and for a loss
+    convex in the output (cross-entropy, squared error) an upper bound of it. For a softmax cross-entropy with hard
+    labels, whatever its weights (a mean over the positions an ignore_index leaves, a sum), the gradient is
+    ``g_i = w_i (q_i - e_{y_i})`` and the difference is exact: ``<g, d> - sum_i w_i KL(q_i || p_i)`` (the Bregman
+    divergence of log-sum-exp), with ``y_i`` the one negative entry of ``g_i`` and ``w_i`` the sum of the others
+    over the sum of ``q_i`` there (no cancellation where the model is confident). A gradient of any other form (label
+    smoothing, a regression) gets the bound. No host read."""
+    if loss_grad is None:
+        return student.new_zeros((), dtype=torch.float32)
+    n = student.size(-1)
+    g = loss_grad.detach().reshape(-1, n).float()
+    zs = student.detach().reshape(-1, n).float()
+    zt = teacher.detach().reshape(-1, n).float()
+    first = (g * (zs - zt)).sum()
+    log_q = F.log_softmax(zs, -1)
+    q = log_q.exp()
+    y = g.argmin(-1, keepdim=True)
+    others = torch.ones_like(g).scatter_(-1, y, 0.0)
+    w = (g * others).sum(-1) / (q * others).sum(-1).clamp(min=torch.finfo(torch.float32).tiny)
+    rebuilt = w[:, None] * (q - (1.0 - others))
+    cross_entropy = (rebuilt - g).abs().sum() <= 1e-3 * g.abs().sum() + 1e-30
+    kl = (q * (log_q - F.log_softmax(zt, -1))).sum(-1)
+    return torch.where(cross_entropy, first - (w * kl).sum(), first)
+
+
+__all__ = ["frozen_copy", "kl_per_position", "kl_to_teacher", "logits_of", "loss_excess", "mean_where_the_loss_looks",
+           "trained_output"]

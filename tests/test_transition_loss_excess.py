@@ -1,0 +1,192 @@
+"""TransitionSpec.excess_tolerance: the closed loop also gated on the training loss's excess over the trained
+function's on the same batch (migrate_suite order 14).
+
+The excess is computed from the loss's gradient with respect to the output (teacher.loss_excess); the references here
+compute the two losses themselves: cross_entropy of both outputs in float64, and, in a fit, the model's loss at the
+blend it held against the model pinned at blend 0 (lr 0: the weights stay the trained ones)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from _helpers_transition import LM, loader, trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch.nn import functional as F
+
+from ln_lightning import LNLightningWarning, TransitionSpec, _distill
+from ln_lightning.placement.migrate import transition
+from ln_lightning.placement.migrate.teacher import loss_excess
+from ln_lightning.plugin import REPORT_FILENAME, LNPlacement
+
+
+def test_the_excess_tolerance_validates():
+    assert TransitionSpec(steps=10, excess_tolerance=1).excess_tolerance == 1.0
+    assert TransitionSpec(steps=10).excess_tolerance is None
+    for bad in (0, -0.1, float("nan"), True):
+        with pytest.raises(ValueError, match="excess_tolerance must be a positive number"):
+            TransitionSpec(steps=10, excess_tolerance=bad)
+    with pytest.raises(ValueError, match="Give a tolerance, or drop excess_tolerance"):
+        TransitionSpec(steps=10, tolerance=None, excess_tolerance=0.02)
+
+
+def _case(seed: int, masked: bool):
+    g = torch.Generator().manual_seed(seed)
+    B, T, C = 3, 7, 11
+    student = (torch.randn(B, T, C, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    teacher = student.detach() + torch.randn(B, T, C, generator=g, dtype=torch.float64) * 0.5
+    y = torch.randint(0, C, (B, T), generator=g)
+    if masked:  # a masked LM's labels: most positions ignored
+        y = torch.where(torch.rand(B, T, generator=g) < 0.7, torch.full_like(y, -100), y)
+    return student, teacher, y
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("masked", [False, True], ids=["every-position", "ignore-index"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_excess_of_a_cross_entropy_is_the_difference_of_the_two_losses(seed, masked, reduction):
+    student, teacher, y = _case(seed, masked)
+
+    def loss(z):
+        return F.cross_entropy(z.reshape(-1, z.size(-1)), y.reshape(-1), ignore_index=-100, reduction=reduction)
+
+    (grad,) = torch.autograd.grad(loss(student), student)
+    expected = (loss(student) - loss(teacher)).item()
+    got = loss_excess(grad.float(), student.float(), teacher.float()).item()
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["label_smoothing", "squared_error"])
+def test_any_other_convex_loss_gets_the_first_order_bound_which_is_never_below_the_difference(kind):
+    for seed in range(4):
+        student, teacher, y = _case(seed, masked=False)
+        if kind == "label_smoothing":
+            def loss(z):
+                return F.cross_entropy(z.reshape(-1, z.size(-1)), y.reshape(-1), label_smoothing=0.1)
+        else:
+            target = torch.randn_like(student)
+
+            def loss(z):
+                return F.mse_loss(z, target)
+
+        (grad,) = torch.autograd.grad(loss(student), student)
+        got = loss_excess(grad.float(), student.float(), teacher.float()).item()
+        first_order = (grad * (student - teacher)).sum().item()
+        assert got == pytest.approx(first_order, rel=1e-4)
+        assert got >= (loss(student) - loss(teacher)).item() - 1e-6
+
+
+def test_no_loss_gradient_is_no_excess():
+    student, teacher, _ = _case(0, masked=False)
+    assert loss_excess(None, student.float(), teacher.float()).item() == 0.0
+
+
+def _trained_lm() -> LM:
+    """The demo LM fitted to the tests' one batch (no plugin), then set to lr 0: a trained function the blend can
+    only make worse on that batch, and weights that stay where they are."""
+    torch.manual_seed(0)
+    module = LM("demo", lr=1e-2)
+    trainer(None, max_steps=40).fit(module, train_dataloaders=loader())
+    module.hparams.lr = 0.0
+    return module
+
+
+def _raw(monkeypatch, method: str) -> list:
+    seen = []
+    original = getattr(_distill.Distillation, method)
+
+    def take(self):
+        value = original(self)
+        seen.append(None if value is None else value.item())
+        return value
+
+    monkeypatch.setattr(_distill.Distillation, method, take)
+    return seen
+
+
+def test_in_a_fit_the_excess_is_the_models_loss_at_its_blend_minus_the_trained_functions(tmp_path, monkeypatch):
+    """lr 0: every step's excess is loss(model at the blend it held) - loss(model at blend 0) on the step's batch,
+    computed here by two plain forwards after the fit."""
+    module = _trained_lm()
+    excesses = _raw(monkeypatch, "take_excess")
+    blends = []
+    monkeypatch.setattr(_distill.Distillation, "take_drift",
+                        lambda self, _o=_distill.Distillation.take_drift: blends.append(float(transition.get_blend(module))) or _o(self))
+    spec = TransitionSpec(steps=24, tolerance=100.0, endpoint_fraction=0.0, excess_tolerance=100.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LNLightningWarning)
+        trainer(tmp_path, LNPlacement("pre", transition=spec, fused=False, log_report=False), max_steps=6).fit(
+            module, train_dataloaders=loader())
+    monkeypatch.undo()
+    x, y = next(iter(loader()))
+    assert len(excesses) == len(blends) == 6 and excesses[0] == pytest.approx(0.0, abs=1e-6)
+
+    def loss_at(a):
+        transition.set_blend(module, a)
+        with torch.no_grad():
+            out = module(x)
+        return F.cross_entropy(out.reshape(-1, out.size(-1)).double(), y.reshape(-1)).item()
+
+    module.train()
+    expected = [loss_at(a) - loss_at(0.0) for a in blends]
+    assert max(abs(e) for e in expected[1:]) > 1e-4  # the blend moved the loss
+    assert excesses == pytest.approx(expected, rel=1e-3, abs=1e-5)
+
+
+def _csv_column(root: Path, name: str) -> list[float]:
+    with open(next(root.rglob("metrics.csv"))) as f:
+        return [float(r[name]) for r in csv.DictReader(f) if r.get(name) not in (None, "")]
+
+
+def _logged(tmp_path, spec, steps, module):
+    from lightning.pytorch import Trainer
+
+    plugin = LNPlacement("pre", transition=spec, fused=False, log_report=True)
+    Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            default_root_dir=tmp_path, plugins=[plugin], enable_checkpointing=False).fit(module, train_dataloaders=loader())
+
+
+def test_an_excess_over_the_tolerance_holds_the_blend_and_the_run_says_why(tmp_path):
+    """A drift tolerance nothing reaches; an excess tolerance of 1e-4 (lr 0: nothing trains the excess back): the
+    blend stops short of 1, the warning and the report name the loss excess, TensorBoard's scalar shows it."""
+    module = _trained_lm()
+    spec = TransitionSpec(steps=12, tolerance=100.0, endpoint_fraction=0.0, excess_tolerance=1e-4)
+    with pytest.warns(LNLightningWarning) as caught:
+        _logged(tmp_path, spec, 12, module)
+    a = transition.get_blend(module)
+    assert 0.0 < a < 1.0, a
+    said = [str(w.message) for w in caught if w.category is LNLightningWarning]
+    assert any(re.search(r"spent its budget of 12 steps at blend .*loss excess tolerance 0\.0001\).*stays .* above the "
+                         r"trained function's on the same batches", m) for m in said), said
+    assert any("excess_tolerance=0.0001" in m for m in said), said
+    logged = _csv_column(tmp_path / "logs", "ln_placement/loss_excess")
+    assert len(logged) == 12 and logged[0] == pytest.approx(0.0, abs=1e-6) and logged[-1] > 1e-4
+    final = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
+    assert final["finished"] is False and final["excess_tolerance"] == 1e-4 and final["loss_excess"] > 1e-4
+
+
+class _ShiftedLoss(LM):
+    """From step 3 on, training_step's loss is 1 nat higher: a loss that rises for a reason the blend has no part in."""
+
+    def training_step(self, b, batch_idx):
+        return super().training_step(b, batch_idx) + (1.0 if self.global_step >= 3 else 0.0)
+
+
+def test_a_loss_that_rises_for_another_reason_is_no_excess(tmp_path):
+    """The excess is paired (the same batch through both functions): a constant added to the loss moves neither its
+    gradient nor the excess, so the blends are those of the drift alone (the loss gate, loss_tolerance, holds there)."""
+    blends = {}
+    for name, extra in (("drift", {}), ("excess", {"excess_tolerance": 10.0})):
+        torch.manual_seed(0)
+        module = _ShiftedLoss("demo", lr=0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LNLightningWarning)
+            _logged(tmp_path / name, TransitionSpec(steps=12, tolerance=0.05, **extra), 10, module)
+        blends[name] = _csv_column(tmp_path / name / "logs", "ln_placement/transition")
+    assert blends["excess"] == blends["drift"] and len(set(blends["drift"])) > 2
