@@ -467,8 +467,8 @@ TUNED_PREFIX = ("closed_", "calib")
 INCUMBENT = LOSS_POSITIONS_ARM
 # The rule's pick on the TUNING half: closed_S0.6_t0.05 from order 2 (settled before encoder_cls B600 ended: t0.02 had
 # already failed three tuning runs, t0.05 none) to order 7, which picked closed_S0.6_t0.03_k2 (by 0.0003 of worst excess).
-# Order 12 picked closed_S0.6_t0.05_lp, run on the held-out half by order 13.
-PICKED: str | None = LOSS_POSITIONS_ARM
+# Order 12 picked closed_S0.6_t0.05_lp, run on the held-out half by order 13. Order 14 picked closed_S0.6_t0.05_lp_x0.02.
+PICKED: str | None = EXCESS_GATE_ARM
 
 
 # The latest order's rule (9): a win over the incumbent needs this share of the goal's band (0.0003 of excess was noise).
