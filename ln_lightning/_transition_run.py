@@ -219,7 +219,7 @@ class TransitionRun:
             self.excess = torch.where(finite, excess, torch.zeros_like(excess))
         else:
             self.excess = torch.where(finite, 0.8 * self.excess + 0.2 * excess, self.excess)
-        return self.excess <= self.spec.excess_tolerance
+        return self.excess <= self.spec.excess_tolerance  # (math.inf: never holds)
 
     def _tolerance(self, trainer: Trainer, pl_module: LightningModule, distill: Distillation | None):
         """The tolerance this step gates at: the spec's, or (training_drift_factor) at least that factor times the
@@ -247,8 +247,9 @@ class TransitionRun:
                            "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since}
         if self.loss_gate is not None:
             self.unfinished.update(loss_tolerance=spec.loss_tolerance, loss_rise=self.loss_gate.read())
-        if spec.excess_tolerance is not None:
-            self.unfinished.update(excess_tolerance=spec.excess_tolerance, loss_excess=self._excess_read())
+        if spec.excess_tolerance is not None:  # (JSON has no infinity: an excess tolerance that never holds is null)
+            self.unfinished.update(excess_tolerance=spec.excess_tolerance if math.isfinite(spec.excess_tolerance) else None,
+                                   loss_excess=self._excess_read())
         if trainer.is_global_zero:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
                  f"blend {a:.4g} ({self._tolerances()}); {self._pace_words(need)}. "
@@ -256,7 +257,8 @@ class TransitionRun:
                  "load back into it), and the fit goes on there. Continue with a larger budget, "
                  f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
                  + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
-                 + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance is not None else "") + ")), "
+                 + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
+                 + ")), "
                  "or accept more drift with a larger tolerance.")
 
     def _tolerances(self) -> str:
@@ -264,7 +266,7 @@ class TransitionRun:
         words = f"drift tolerance {spec.tolerance:g}"
         if spec.loss_tolerance is not None:
             words += f", loss tolerance {spec.loss_tolerance:g}"
-        if spec.excess_tolerance is not None:
+        if spec.excess_tolerance is not None and math.isfinite(spec.excess_tolerance):
             words += f", loss excess tolerance {spec.excess_tolerance:g}"
         return words
 
@@ -298,8 +300,7 @@ class TransitionRun:
             excess = excess_tolerance is not None
             loss = ("" if loss_tolerance is None else ", nor its training loss's rise (loss_tolerance)") + (
                 ", nor its loss excess (excess_tolerance)" if excess else "")
-            off = ("tolerance=None" + ("" if loss_tolerance is None else ", loss_tolerance=None")
-                   + (", excess_tolerance=None" if excess else "") + ", distill=0")
+            off = "tolerance=None" + ("" if loss_tolerance is None else ", loss_tolerance=None") + ", distill=0"
             warn(f"LNPlacement: the closed-loop transition can't measure its drift from the trained function{loss}: "
                  f"{reason}. Its blend ramps at the budget's pace instead, without a tolerance (as TransitionSpec(..., "
                  f"{off}) would; pass that to ask for it and silence this).")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 import warnings
 from pathlib import Path
@@ -22,13 +23,16 @@ from torch.nn import functional as F
 from ln_lightning import LNLightningWarning, TransitionSpec, _distill
 from ln_lightning.placement.migrate import transition
 from ln_lightning.placement.migrate.teacher import loss_excess
+from ln_lightning.placement.spec import EXCESS_TOLERANCE
 from ln_lightning.plugin import REPORT_FILENAME, LNPlacement
 
 
-def test_the_excess_tolerance_validates():
+def test_the_excess_tolerance_validates_and_defaults_to_0_02_in_the_closed_loop():
     assert TransitionSpec(steps=10, excess_tolerance=1).excess_tolerance == 1.0
-    assert TransitionSpec(steps=10).excess_tolerance is None
-    for bad in (0, -0.1, float("nan"), True):
+    assert TransitionSpec(steps=10).excess_tolerance == EXCESS_TOLERANCE == 0.02  # migrate_suite order 14
+    assert TransitionSpec(steps=10, tolerance=None).excess_tolerance is None  # the open loop gates on nothing
+    assert TransitionSpec(steps=10, excess_tolerance=math.inf).excess_tolerance == math.inf  # measured, never holding
+    for bad in (0, -0.1, float("nan"), True, "0.02"):
         with pytest.raises(ValueError, match="excess_tolerance must be a positive number"):
             TransitionSpec(steps=10, excess_tolerance=bad)
     with pytest.raises(ValueError, match="Give a tolerance, or drop excess_tolerance"):
