@@ -24,6 +24,10 @@ from ln_lightning.placement.migrate.transition_control import endpoint_step
 
 log = logging.getLogger("ln_lightning.plugin")
 
+# A checkpoint's entry for what one fit's closed loop smooths outside the model's buffers (the loss excess), so a
+# resumed fit gates as the uninterrupted one would.
+CHECKPOINT_KEY = "ln_lightning_transition_run"
+
 
 class TransitionRun:
     """What one fit of a model in a transition holds, from `on_train_start` to the end of the Trainer call."""
@@ -142,6 +146,19 @@ class TransitionRun:
             return None
         return self.distill.checkpoint_state()
 
+    def checkpoint_state(self, pl_module: LightningModule) -> dict | None:
+        """The smoothed loss excess for a checkpoint, while the model is in a transition that measures it (a device
+        tensor: no host read)."""
+        state = rewrite_state.of(pl_module)
+        if state is None or state.transition is None or self.excess is None:
+            return None
+        return {"excess": self.excess.detach().clone()}
+
+    def restore(self, entry: dict | None) -> None:
+        """The ckpt_path checkpoint's `checkpoint_state`, before the first step (None: this fit starts afresh)."""
+        if entry and isinstance(entry.get("excess"), torch.Tensor):
+            self.excess = entry["excess"].detach().float()
+
     def final_entry(self, progress: tuple[int, int, float] | None) -> dict | None:
         """The report JSON's "transition" entry at the fit's end, where this run knows it (else None)."""
         if progress is None:
@@ -215,6 +232,8 @@ class TransitionRun:
             excess = torch.full((), float("nan"), device=device)
         excess = trainer.strategy.reduce(excess.float(), reduce_op="mean")
         finite = torch.isfinite(excess)
+        if self.excess is not None and self.excess.device != excess.device:  # restored from a checkpoint
+            self.excess = self.excess.to(excess.device)
         if self.excess is None:
             self.excess = torch.where(finite, excess, torch.zeros_like(excess))
         else:

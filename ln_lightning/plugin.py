@@ -38,6 +38,7 @@ from torch import nn
 from ln_lightning import _lightning_patch
 from ln_lightning._distill import CHECKPOINT_KEY as DISTILL_KEY
 from ln_lightning._plugin_arguments import placement_spec
+from ln_lightning._transition_run import CHECKPOINT_KEY as TRANSITION_RUN_KEY
 from ln_lightning._transition_run import TransitionRun
 from ln_lightning._warnings import info, warn
 from ln_lightning.checkpoint import CHECKPOINT_KEY, load_converted, remap_optimizer_states
@@ -456,6 +457,7 @@ class LNPlacement(LayerSync, Callback):
         if self._run is not None:
             self._run.checkpoint = checkpoint
             self._run.teacher_state = checkpoint.get(DISTILL_KEY)
+            self._run.transition_state = checkpoint.get(TRANSITION_RUN_KEY)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After configure_optimizers and the checkpoint's weights, before Lightning restores the optimizer states.
@@ -528,6 +530,7 @@ class LNPlacement(LayerSync, Callback):
         if t is not None and self.transition is not None and self._run is not None:
             self._run.transition = TransitionRun(self.transition, self.placement)
             self._run.transition.teacher_state = self._run.teacher_state
+            self._run.transition.restore(self._run.transition_state)
             self._run.transition.start(trainer, pl_module, t)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -643,6 +646,9 @@ class LNPlacement(LayerSync, Callback):
         teacher = None if self._run is None or self._run.transition is None else self._run.transition.teacher_checkpoint(pl_module)
         if teacher is not None:
             checkpoint[DISTILL_KEY] = teacher
+        smoothed = None if self._run is None or self._run.transition is None else self._run.transition.checkpoint_state(pl_module)
+        if smoothed is not None:
+            checkpoint[TRANSITION_RUN_KEY] = smoothed
 
     # ------------------------------------------------------------------ LayerSync (DDP / FSDP strategies)
     def apply(self, model: nn.Module) -> nn.Module:
@@ -698,6 +704,7 @@ class _Run:
         self.report_at_fit_start = False  # the fit's report is logged at on_fit_start, on the weights it trains
         self.transition: TransitionRun | None = None  # the model's transition, driven from on_train_start
         self.teacher_state: dict | None = None  # the teacher the ckpt_path checkpoint holds
+        self.transition_state: dict | None = None  # ... and its closed loop's smoothed loss excess
 
 
 __all__ = ["LNPlacement", "load_converted", "UnsupportedStrategyError", "SUPPORTED_STRATEGIES", "REPORT_FILENAME",

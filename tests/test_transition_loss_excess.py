@@ -194,3 +194,42 @@ def test_a_loss_that_rises_for_another_reason_is_no_excess(tmp_path):
             _logged(tmp_path / name, TransitionSpec(steps=12, tolerance=0.05, **extra), 10, module)
         blends[name] = _csv_column(tmp_path / name / "logs", "ln_placement/transition")
     assert blends["excess"] == blends["drift"] and len(set(blends["drift"])) > 2
+
+
+def test_a_resumed_fit_smooths_the_excess_from_where_the_uninterrupted_one_was(tmp_path, monkeypatch):
+    """The smoothed excess travels in the checkpoint (checkpoint["ln_lightning_transition_run"]): a fit resumed at step
+    4 logs the same ln_placement/loss_excess at every later step as the uninterrupted fit (so its gate decides alike),
+    and ends with the same weights. Without it (`restore` a no-op) the resumed fit starts its smoothing again and the
+    logged excess parts at the first resumed step."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ln_lightning._transition_run import CHECKPOINT_KEY, TransitionRun
+
+    spec = TransitionSpec(steps=40, tolerance=100.0, endpoint_fraction=0.0, excess_tolerance=1.0)
+
+    def fit(root, steps, ckpt_path=None, callbacks=()):
+        module = _trained_lm()
+        module.hparams.lr = 1e-3  # the weights train: the excess moves from step to step
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LNLightningWarning)
+            Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(root / "logs"), log_every_n_steps=1,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                    default_root_dir=root, plugins=[LNPlacement("pre", transition=spec, fused=False, log_report=False)],
+                    callbacks=list(callbacks), enable_checkpointing=bool(callbacks)).fit(
+                module, train_dataloaders=loader(), ckpt_path=ckpt_path)
+        return module, _csv_column(root / "logs", "ln_placement/loss_excess")
+
+    straight, logged = fit(tmp_path / "a", 10)
+    assert len(logged) == 10 and len(set(logged)) == 10
+    fit(tmp_path / "b", 4, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)])
+    path = next((tmp_path / "ck").glob("*step=4*.ckpt"))
+    assert torch.load(path, weights_only=False)[CHECKPOINT_KEY]["excess"].item() == pytest.approx(logged[3], rel=1e-5)
+    resumed, resumed_logged = fit(tmp_path / "c", 10, ckpt_path=path)
+    assert resumed_logged == pytest.approx(logged[4:], rel=1e-5, abs=1e-9)
+    for k, v in straight.state_dict().items():
+        assert torch.allclose(v.float(), resumed.state_dict()[k].float(), rtol=1e-6, atol=1e-7), k
+
+    monkeypatch.setattr(TransitionRun, "restore", lambda self, entry: None)
+    _, afresh = fit(tmp_path / "d", 10, ckpt_path=path)
+    assert afresh[0] != pytest.approx(logged[4], rel=1e-3)  # the check above can fail

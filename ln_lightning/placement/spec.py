@@ -143,7 +143,9 @@ class TransitionSpec:
             ``drift_positions="loss"`` runs): exactly for a softmax cross-entropy with hard labels, whatever its
             weights or ignored positions; for any other loss the first-order term, an upper bound for a loss convex
             in the output, so the blend holds earlier, never later. Endpoint steps are not counted. Logged as
-            ``ln_placement/loss_excess``. It needs the distillation's hooks, as ``loss_tolerance`` does. ``None`` (the
+            ``ln_placement/loss_excess``; its smoothed value travels in checkpoints
+            (``checkpoint["ln_lightning_transition_run"]``), so a resumed fit gates as the uninterrupted one would.
+            It needs the distillation's hooks, as ``loss_tolerance`` does. ``None`` (the
             default): ``0.02`` (``EXCESS_TOLERANCE``) in the closed loop, off in the open loop; ``math.inf``: measured
             and logged, never holding the blend (the closed loop before it). The default since the migration suite's
             order 14: the held-out loss stayed within the goal's excess on all 16 runs of both halves (the closed
