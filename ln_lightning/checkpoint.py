@@ -30,6 +30,12 @@ state (``ln_lightning.placement.state``, which documents the encoding and the lo
   of ``.steps_done``: a load recovers the steps done from the blend);
 * the parameters the rewrite added (a final norm, LayerScale), as ordinary entries.
 
+Beside them, only while a transition with distillation is under way, written by ``LNPlacement`` for the fit to
+resume as it would have gone on: ``checkpoint["ln_lightning_teacher"]`` (the teacher's state_dict: the trained
+function it distils towards and measures its drift from) and ``checkpoint["ln_lightning_transition_run"]``
+(``{"excess": float32 scalar}``: the closed loop's smoothed loss excess, ``TransitionSpec.excess_tolerance``).
+``load_converted`` reads neither.
+
 Readers take what is there: without ``"format"``/``"record"`` (format 1) the configuration is rebuilt without
 the check of blocks and added modules, without ``"model_class"`` there is no class check, without ``"config"``
 the marker's JSON is used. A record of a newer format, or a ``"config"`` key this version's ``LNPlacement``
