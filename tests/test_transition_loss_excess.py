@@ -85,6 +85,38 @@ def test_any_other_convex_loss_gets_the_first_order_bound_which_is_never_below_t
         assert got >= (loss(student) - loss(teacher)).item() - 1e-6
 
 
+def _ce_case(seed: int, scale: float = 3.0):
+    student, teacher, y = _case(seed, masked=True)
+    student = (student.detach() * scale / 3.0).requires_grad_()
+
+    def loss(z):
+        return F.cross_entropy(z.reshape(-1, z.size(-1)), y.reshape(-1), ignore_index=-100)
+
+    (grad,) = torch.autograd.grad(loss(student), student)
+    return student.detach(), teacher, grad, (loss(student) - loss(teacher)).item()
+
+
+def test_the_rows_are_taken_in_chunks_with_the_same_result(monkeypatch):
+    from ln_lightning.placement.migrate import teacher as teacher_module
+
+    student, teacher, grad, expected = _ce_case(1)
+    whole = loss_excess(grad.float(), student.float(), teacher.float()).item()
+    monkeypatch.setattr(teacher_module, "_EXCESS_CHUNK", 2 * student.size(-1))  # two rows a chunk
+    chunked = loss_excess(grad.float(), student.float(), teacher.float()).item()
+    assert chunked == pytest.approx(whole, rel=1e-5) and whole == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+def test_a_confident_model_and_a_bfloat16_gradient_are_still_read_as_a_cross_entropy():
+    # Logits 10x the size: q of the label within 1e-12 of 1 on most rows (1 - q in float32 would be 0).
+    student, teacher, grad, expected = _ce_case(2, scale=30.0)
+    assert loss_excess(grad.float(), student.float(), teacher.float()).item() == pytest.approx(expected, rel=1e-3, abs=1e-6)
+    # Mixed precision: the gradient rounded to bfloat16 (and the logits with it) keeps the exact form, not the bound.
+    student, teacher, grad, expected = _ce_case(3)
+    got = loss_excess(grad.bfloat16(), student.bfloat16(), teacher.bfloat16()).item()
+    bound = (grad * (student - teacher)).sum().item()
+    assert abs(got - expected) < 0.05 * abs(bound - expected), (got, expected, bound)
+
+
 def test_no_loss_gradient_is_no_excess():
     student, teacher, _ = _case(0, masked=False)
     assert loss_excess(None, student.float(), teacher.float()).item() == 0.0
