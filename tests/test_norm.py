@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import warnings
 
 import pytest
@@ -300,6 +304,29 @@ def test_cpu_kernel_build_retries_without_openmp(monkeypatch):
     assert _cpu_kernels.KERNELS.build() == "serial module"
     assert "-fopenmp" in calls[0][1] and "-fopenmp" not in calls[1][1]
     assert calls[1][0] == calls[0][0] + "_serial"  # never the same cache entry as the OpenMP build
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_said_so(tmp_path, caplog):
+    # torch's build lock holds no process id: a process killed while it compiled leaves it, and torch waits forever.
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 2 * _extension.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger=_extension.__name__):
+        _extension._clear_stale_lock(tmp_path)
+    assert not lock.exists() and "did not finish" in caplog.text
+
+
+def test_a_live_builds_lock_is_waited_for_and_left_to_it(tmp_path, caplog):
+    lock = tmp_path / "lock"
+    lock.touch()
+    release = threading.Timer(0.5, lock.unlink)  # the other process's build ends
+    start = time.monotonic()
+    release.start()
+    with caplog.at_level(logging.WARNING, logger=_extension.__name__):
+        _extension._clear_stale_lock(tmp_path)
+    release.join()
+    assert time.monotonic() - start >= 0.45 and "did not finish" not in caplog.text
 
 
 def test_cpu_kernels_env_switch_disables_without_warning(monkeypatch):

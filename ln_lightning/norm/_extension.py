@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -39,6 +40,9 @@ _FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 _log = logging.getLogger(__name__)
+# A build's lock file older than this was left by a build that did not finish (a process killed while it compiled:
+# torch's lock holds no process id). torch waits for such a lock forever; the build takes about 30 s.
+STALE_LOCK_S = 600.0
 
 
 def enabled_by_env() -> bool:
@@ -66,6 +70,7 @@ def build_extension(name: str, source: Path, what: str):
             "ln_lightning: compiling the CPU %s kernels for %s (once per machine, about 30 s; "
             "set %s=0 to use aten's kernels instead)", what, cap, ENV_VAR,
         )
+    _clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
     flags = ["-O3", *_FLAGS.get(cap, [])]
     try:
         return load(name=name, sources=[str(source_in_build_dir(name, source))], extra_cflags=[*flags, "-fopenmp"],
@@ -75,6 +80,24 @@ def build_extension(name: str, source: Path, what: str):
                      str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__)
         serial = f"{name}_serial"
         return load(name=serial, sources=[str(source_in_build_dir(serial, source))], extra_cflags=flags, verbose=False)
+
+
+def _clear_stale_lock(build_dir: Path, stale_after: float | None = None) -> None:
+    """Wait for another process's build (its lock file in `build_dir`) while the lock is younger than
+    `stale_after` (STALE_LOCK_S); remove an older one, saying so, so the build starts again instead of waiting forever."""
+    stale_after = STALE_LOCK_S if stale_after is None else stale_after
+    lock = build_dir / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            _log.warning("ln_lightning: removing %s, left %.0f s ago by a CPU kernel build that did not finish (a "
+                         "process killed while it compiled); building again", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.2)
 
 
 def source_in_build_dir(name: str, source: Path) -> Path:
