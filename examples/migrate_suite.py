@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -290,13 +291,25 @@ ARMS = {
 }
 
 
-def _closed(fraction: float, tolerance: float):
-    """The closed loop (TransitionSpec's default kind) with a budget of `fraction` x B steps and `tolerance` nats."""
+# The settings every closed arm runs with unless it names its own: those of the library when the first closed arms ran.
+# An arm spells what it was run with, so a later change of TransitionSpec's defaults (drift_positions="loss" from order
+# 13, excess_tolerance=0.02 from order 14) does not change what an arm computes when it runs again.
+# (excess_tolerance=math.inf: measured, never holding the blend, as before the excess gate.)
+RUN_WITH = {"drift_positions": "all", "excess_tolerance": math.inf}
+
+
+def _closed(fraction: float, **spec):
+    """The closed loop with a budget of `fraction` x B steps and TransitionSpec's `spec` over RUN_WITH."""
 
     def build(B):
         from ln_lightning import TransitionSpec
 
-        return _plugin(transition=TransitionSpec(steps=max(1, round(fraction * B)), tolerance=tolerance))
+        steps = max(1, round(fraction * B))
+        kw = {**RUN_WITH, **spec}
+        if "training_drift_every" in kw:
+            # (--quick's budgets of a few steps measure every step: the driver's count of the extra forward is then tested)
+            kw["training_drift_every"] = min(kw["training_drift_every"], max(1, steps // 4))
+        return _plugin(transition=TransitionSpec(steps=steps, **kw))
 
     return build
 
@@ -304,89 +317,33 @@ def _closed(fraction: float, tolerance: float):
 for _f, _fname in ((1 / 3, "S0.33"), (0.6, "S0.6")):
     for _t in (0.02, 0.05):
         ARMS[f"closed_{_fname}_t{_t}"] = (f'LNPlacement("pre", transition=TransitionSpec(steps={_fname[1:]} B, tolerance={_t}), '
-                                          f"resume_unconverted=True): the closed loop", _closed(_f, _t))
+                                          f"resume_unconverted=True): the closed loop", _closed(_f, tolerance=_t))
 ARMS[GOAL_TOLERANCE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.03), resume_unconverted=True): '
-                            "the closed loop at the goal's excess as its tolerance", _closed(0.6, 0.03))
-
-
-
-def _closed_following(fraction: float, tolerance: float, factor: float, every: int):
-    """The closed loop whose tolerance follows the training drift (TransitionSpec.training_drift_factor)."""
-
-    def build(B):
-        from ln_lightning import TransitionSpec
-
-        steps = max(1, round(fraction * B))
-        # (--quick's budgets of a few steps measure every step: the driver's count of the extra forward is then tested)
-        return _plugin(transition=TransitionSpec(steps=steps, tolerance=tolerance, training_drift_factor=factor,
-                                                 training_drift_every=min(every, max(1, steps // 4))))
-
-    return build
-
-
+                            "the closed loop at the goal's excess as its tolerance", _closed(0.6, tolerance=0.03))
 ARMS[TRAINING_DRIFT_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.03, training_drift_factor=2.0, '
                             'training_drift_every=8), resume_unconverted=True): the closed loop whose tolerance follows the '
                             "training drift, max(0.03, 2 x KL(trained || model at blend 0)), measured every 8th step "
-                            "(one more forward, counted)", _closed_following(0.6, 0.03, 2.0, 8))
-
-def _closed_loss_gated(fraction: float, tolerance: float, loss_tolerance: float):
-    """The closed loop that also holds its blend while the training loss has risen (TransitionSpec.loss_tolerance)."""
-
-    def build(B):
-        from ln_lightning import TransitionSpec
-
-        return _plugin(transition=TransitionSpec(steps=max(1, round(fraction * B)), tolerance=tolerance,
-                                                 loss_tolerance=loss_tolerance))
-
-    return build
-
-
+                            "(one more forward, counted)",
+                            _closed(0.6, tolerance=0.03, training_drift_factor=2.0, training_drift_every=8))
 ARMS[LOSS_GATE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, loss_tolerance=0.02), '
                        "resume_unconverted=True): the closed loop of closed_S0.6_t0.05 whose blend also holds while the "
                        "smoothed training loss (training_step's, before the distillation term) is more than 0.02 above its "
-                       "mean over the transition's first 8 held-blend steps", _closed_loss_gated(0.6, 0.05, 0.02))
+                       "mean over the transition's first 8 held-blend steps", _closed(0.6, tolerance=0.05, loss_tolerance=0.02))
 ARMS[GOAL_LOSS_GATE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, loss_tolerance=0.03), '
                             "resume_unconverted=True): closed_S0.6_t0.05_L0.02's loss gate at the goal's own excess (0.03) "
-                            "as its loss tolerance", _closed_loss_gated(0.6, 0.05, 0.03))
-
-
-def _closed_at_loss_positions(fraction: float, tolerance: float, endpoint_fraction: float = 0.25):
-    """The closed loop whose drift is the KL over the positions the loss depends on (TransitionSpec.drift_positions)."""
-
-    def build(B):
-        from ln_lightning import TransitionSpec
-
-        return _plugin(transition=TransitionSpec(steps=max(1, round(fraction * B)), tolerance=tolerance,
-                                                 drift_positions="loss", endpoint_fraction=endpoint_fraction))
-
-    return build
-
-
+                            "as its loss tolerance", _closed(0.6, tolerance=0.05, loss_tolerance=0.03))
 ARMS[LOSS_POSITIONS_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, drift_positions="loss"), '
                             "resume_unconverted=True): closed_S0.6_t0.05 whose drift is the KL over the output positions the "
                             "training loss depends on (a masked LM's masked positions), not over every position",
-                            _closed_at_loss_positions(0.6, 0.05))
+                            _closed(0.6, tolerance=0.05, drift_positions="loss"))
 ARMS[ENDPOINT_FREE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, drift_positions="loss", '
                            'endpoint_fraction=0), resume_unconverted=True): closed_S0.6_t0.05_lp with no endpoint steps: '
-                           "every step of the transition trains at the held blend", _closed_at_loss_positions(0.6, 0.05, 0.0))
-
-
-def _closed_excess_gated(fraction: float, tolerance: float, excess_tolerance: float):
-    """The closed loop (drift at the loss's positions) that also holds while the loss's paired excess is over a tolerance."""
-
-    def build(B):
-        from ln_lightning import TransitionSpec
-
-        return _plugin(transition=TransitionSpec(steps=max(1, round(fraction * B)), tolerance=tolerance,
-                                                 drift_positions="loss", excess_tolerance=excess_tolerance))
-
-    return build
-
-
+                           "every step of the transition trains at the held blend",
+                           _closed(0.6, tolerance=0.05, drift_positions="loss", endpoint_fraction=0.0))
 ARMS[EXCESS_GATE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02), '
                          "resume_unconverted=True): closed_S0.6_t0.05_lp whose blend also holds while the training loss's "
                          "excess over the trained function's on the same batch (same inputs and dropout masks), smoothed, "
-                         "is above 0.02", _closed_excess_gated(0.6, 0.05, 0.02))
+                         "is above 0.02", _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02))
 
 # Endpoint calibration (examples/migrate_suite/endpoint_calibration.py): the closed loop of closed_S0.6_t0.05, plus a fit
 # of the end point's own parameters (branch scales C_k, the added final norm's gain and bias) to the trained function
@@ -399,7 +356,7 @@ for _arm, (_how, _kw) in CALIBRATION.items():
     _at = "blend 1" if "blends" not in _kw else "the mean over blends " + " and ".join(map(str, _kw["blends"]))
     ARMS[_arm] = (f'closed_S0.6_t0.05 plus endpoint calibration ({_how} C_k and the added final norm\'s affine fitted to the '
                   f'KL at {_at}, L-BFGS {_kw["evals"]} evaluations on the inputs of training batches 0-{_kw["batches"] - 1}, '
-                  f'at the start of batch {_kw["batches"]}, trained weights frozen; its compute counted)', _closed(0.6, 0.05))
+                  f'at the start of batch {_kw["batches"]}, trained weights frozen; its compute counted)', _closed(0.6, tolerance=0.05))
 
 
 # What happened on the way (the runs it replaced are not in results.json; the report lists these).
