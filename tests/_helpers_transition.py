@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -94,6 +98,20 @@ def trainer(tmp_path, plugin=None, max_steps=4, callbacks=(), **kw) -> Trainer:
                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
                    plugins=[plugin] if plugin is not None else None, callbacks=list(callbacks),
                    enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), **kw)
+
+
+def logged_trainer(tmp_path, plugin, max_steps, **kw) -> Trainer:
+    """A Trainer that logs every step to a CSVLogger under `tmp_path / "logs"` (read back with csv_column)."""
+    kw.setdefault("enable_checkpointing", False)
+    return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1,
+                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                   default_root_dir=tmp_path, plugins=[plugin], **kw)
+
+
+def csv_column(root: Path, name: str) -> list[float]:
+    """The values a CSVLogger under `root` logged for `name`, in step order."""
+    with open(next(root.rglob("metrics.csv"))) as f:
+        return [float(r[name]) for r in csv.DictReader(f) if r.get(name) not in (None, "")]
 
 
 class BlendRecorder(Callback):

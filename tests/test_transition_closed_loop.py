@@ -4,7 +4,6 @@ masks, the TensorBoard scalars after the end, the deprecated keywords, and the p
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import re
 import sys
@@ -15,10 +14,9 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from torch.overrides import TorchFunctionMode
 
-from _helpers_transition import LM, BlendRecorder, batch, loader, rel, trainer
+from _helpers_transition import LM, BlendRecorder, batch, csv_column, loader, logged_trainer, rel, trainer
 from ln_lightning import LNLightningDeprecationWarning, LNLightningWarning, TransitionSpec
 from ln_lightning import _distill
 from ln_lightning.demo import PostNormTransformerLM
@@ -30,19 +28,6 @@ from ln_lightning.plugin import REPORT_FILENAME, LNPlacement
 
 def _plugin(**spec) -> LNPlacement:
     return LNPlacement("pre", transition=TransitionSpec(**spec), fused=False, log_report=False)
-
-
-def _logged_trainer(tmp_path, plugin, max_steps, **kw):
-    from lightning.pytorch import Trainer
-
-    return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                   default_root_dir=tmp_path, plugins=[plugin], enable_checkpointing=False, **kw)
-
-
-def _csv_column(root: Path, name: str) -> list[float]:
-    rows = list(csv.DictReader(open(next(root.rglob("metrics.csv")))))
-    return [float(r[name]) for r in rows if r.get(name) not in (None, "")]
 
 
 # ---------------------------------------------------------------------------------------------- the gate itself
@@ -97,27 +82,27 @@ def test_closed_loop_ends_at_the_rewrite_when_the_drift_allows_and_the_dashboard
     reference = copy.deepcopy(module.model)
     # A tolerance no drift reaches: the blend ramps at the budget's pace, 1 / (0.5 * 8 * 0.75) per held step.
     plugin = LNPlacement("pre", transition=TransitionSpec(steps=8, tolerance=100.0), fused=False, log_report=True)
-    _logged_trainer(tmp_path, plugin, 10).fit(module, train_dataloaders=loader())
+    logged_trainer(tmp_path, plugin, 10).fit(module, train_dataloaders=loader())
     assert transition.active(module) is None and transition.leftovers(module) == []
     convert(reference, "pre", branch_scale="stream")
     for ref_scale, scale in zip([m for m in reference.modules() if hasattr(m, "c")], [m for m in module.model.modules() if hasattr(m, "c")]):
         ref_scale.c.copy_(scale.c)  # the measured C_k (the first batch's): the end point is that form exactly
     x = batch(3)
     assert rel(module.model.eval()(x), reference.eval()(x)) <= 1e-6
-    blends = _csv_column(tmp_path / "logs", "ln_placement/transition")
+    blends = csv_column(tmp_path / "logs", "ln_placement/transition")
     assert blends[0] == 0.0 and 0.0 < blends[2] < 1.0
     assert blends[-1] == 1.0  # after the end it says so, not the last blend it logged
-    drift = _csv_column(tmp_path / "logs", "ln_placement/drift")
+    drift = csv_column(tmp_path / "logs", "ln_placement/drift")
     assert drift and all(d >= 0.0 for d in drift)  # from the first step: the drift measured, never "-1"
     payload = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())
     assert payload["transition"]["finished"] is True
 
 
 def test_after_an_open_loop_transition_the_dashboard_shows_it_ended(tmp_path):
-    _logged_trainer(tmp_path, _plugin(steps=4, tolerance=None), 7).fit(LM("demo"), train_dataloaders=loader())
-    blends = _csv_column(tmp_path / "logs", "ln_placement/transition")
+    logged_trainer(tmp_path, _plugin(steps=4, tolerance=None), 7).fit(LM("demo"), train_dataloaders=loader())
+    blends = csv_column(tmp_path / "logs", "ln_placement/transition")
     assert blends[:4] == [0.0, 0.25, 0.5, 0.75] and blends[4:] == [1.0, 1.0, 1.0]
-    kl = _csv_column(tmp_path / "logs", "ln_placement/distill_kl")
+    kl = csv_column(tmp_path / "logs", "ln_placement/distill_kl")
     assert len(kl) == 7 and kl[4:] == [0.0, 0.0, 0.0]  # no term added after the end; before it, the measured KL
 
 
@@ -128,7 +113,7 @@ def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finis
     module = LM("demo", lr=0.0)
     plugin = LNPlacement("pre", transition=TransitionSpec(steps=6, tolerance=1e-12, endpoint_fraction=0.0), fused=False)
     with pytest.warns(LNLightningWarning) as caught:
-        _logged_trainer(tmp_path, plugin, 8).fit(module, train_dataloaders=loader())
+        logged_trainer(tmp_path, plugin, 8).fit(module, train_dataloaders=loader())
     said = [str(w.message) for w in caught if w.category is LNLightningWarning]
     # Before the budget's end (a quarter in, at the first read that shows the stall), then at its end.
     assert any(re.search(r"at step 2 of its 6-step budget .* stands at blend 0\.333: the blend has not moved since step 1", m)
@@ -144,10 +129,10 @@ def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finis
     assert final["finished"] is False and final["budget_needed"] is None and final["stalled_since"] == 1
     assert final["tolerance"] == 1e-12
     assert final["blend"] == pytest.approx(t.blend.item())
-    assert _csv_column(tmp_path / "logs", "ln_placement/transition")[-1] == pytest.approx(t.blend.item())
+    assert csv_column(tmp_path / "logs", "ln_placement/transition")[-1] == pytest.approx(t.blend.item())
     # The budget spent, the blend is held and the teacher no longer runs (steps 6 and 7), nor adds a term.
     assert len(teacher_runs) == 6
-    assert _csv_column(tmp_path / "logs", "ln_placement/distill_kl")[-2:] == [0.0, 0.0]
+    assert csv_column(tmp_path / "logs", "ln_placement/distill_kl")[-2:] == [0.0, 0.0]
 
 
 def test_the_training_drift_factor_validates():
@@ -175,16 +160,16 @@ def test_the_tolerance_follows_the_training_drift_where_training_alone_moves_the
         module = LM("demo", lr=0.05)  # training moves the function from the first step on
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", LNLightningWarning)
-            _logged_trainer(tmp_path / name, _plugin(**base, **extra), 6).fit(module, train_dataloaders=loader())
+            logged_trainer(tmp_path / name, _plugin(**base, **extra), 6).fit(module, train_dataloaders=loader())
         runs[name] = module
     t = transition.active(runs["fixed"])
     assert t is not None and t.blend.item() == pytest.approx(TransitionSpec(**base).rate(), rel=1e-6)
     assert transition.active(runs["follows"]) is None  # blend 1 reached: steps 0, 2, 3 advanced (1/3 each)
-    measured = _csv_column(tmp_path / "follows" / "logs", "ln_placement/training_drift")
+    measured = csv_column(tmp_path / "follows" / "logs", "ln_placement/training_drift")
     assert len(measured) == 1 and measured[0] > 0.0  # step 2 only (the transition ended at step 3)
-    tolerance = _csv_column(tmp_path / "follows" / "logs", "ln_placement/tolerance")
+    tolerance = csv_column(tmp_path / "follows" / "logs", "ln_placement/tolerance")
     assert tolerance[0] == pytest.approx(1e9 * measured[0], rel=1e-5)
-    assert _csv_column(tmp_path / "fixed" / "logs", "ln_placement/training_drift") == []
+    assert csv_column(tmp_path / "fixed" / "logs", "ln_placement/training_drift") == []
 
 
 def test_the_training_drift_is_exactly_zero_where_the_weights_have_not_moved_dropout_included(tmp_path):
@@ -192,11 +177,11 @@ def test_the_training_drift_is_exactly_zero_where_the_weights_have_not_moved_dro
     the training drift is 0 bit for bit and the tolerance stays the spec's."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LNLightningWarning)
-        _logged_trainer(tmp_path, _plugin(steps=20, tolerance=0.5, endpoint_fraction=0.0, training_drift_factor=2.0,
+        logged_trainer(tmp_path, _plugin(steps=20, tolerance=0.5, endpoint_fraction=0.0, training_drift_factor=2.0,
                                                  training_drift_every=2), 5).fit(
             DropoutLM(lr=0.0), train_dataloaders=loader())
-    assert _csv_column(tmp_path / "logs", "ln_placement/training_drift") == [0.0, 0.0]  # steps 2 and 4
-    assert set(_csv_column(tmp_path / "logs", "ln_placement/tolerance")) == {0.5}
+    assert csv_column(tmp_path / "logs", "ln_placement/training_drift") == [0.0, 0.0]  # steps 2 and 4
+    assert set(csv_column(tmp_path / "logs", "ln_placement/tolerance")) == {0.5}
 
 
 def test_closed_loop_resume_gives_the_uninterrupted_weights(tmp_path):
@@ -385,7 +370,7 @@ def test_a_continuations_report_describes_the_trained_model_it_continues(tmp_pat
     plugin = LNPlacement("pre", transition=TransitionSpec(steps=4, stream_scale=False), resume_unconverted=True, fused=False)
     logs = tmp_path / "b"
     with pytest.warns(LNLightningWarning):  # (the unconverted checkpoint's warning)
-        _logged_trainer(logs, plugin, 31).fit(LM("demo"), train_dataloaders=loader(), ckpt_path=path)
+        logged_trainer(logs, plugin, 31).fit(LM("demo"), train_dataloaders=loader(), ckpt_path=path)
     payload = json.loads(next((logs / "logs").rglob(REPORT_FILENAME)).read_text())
     # Independently: the trained model, and the same weights converted by convert() (the plain end point).
     reference = LM("demo")
@@ -481,14 +466,14 @@ def test_a_rising_training_loss_holds_the_blend_and_the_run_says_why(tmp_path):
     spec = TransitionSpec(steps=12, tolerance=100.0, endpoint_fraction=0.0, loss_tolerance=0.5)
     plugin = LNPlacement("pre", transition=spec, fused=False, log_report=True)
     with pytest.warns(LNLightningWarning) as caught:
-        _logged_trainer(tmp_path, plugin, 12).fit(module, train_dataloaders=loader())
+        logged_trainer(tmp_path, plugin, 12).fit(module, train_dataloaders=loader())
     t = transition.active(module)
     assert t is not None and t.blend.item() == pytest.approx(3 * spec.rate(), rel=1e-6) and spec.rate() == pytest.approx(1 / 6)
     said = [str(w.message) for w in caught if w.category is LNLightningWarning]
     assert any(re.search(r"spent its budget of 12 steps at blend 0\.5 \(drift tolerance 100, loss tolerance 0\.5, loss excess tolerance "
                          r"0\.02\).*training "
                          r"loss stays 1(\.\d+)? above where the transition started", m) for m in said), said
-    rises = _csv_column(tmp_path / "logs", "ln_placement/loss_rise")
+    rises = csv_column(tmp_path / "logs", "ln_placement/loss_rise")
     assert len(rises) == 9 and all(r == pytest.approx(1.0, abs=0.05) for r in rises)  # steps 3-11
     final = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
     assert final["finished"] is False and final["loss_tolerance"] == 0.5 and final["loss_rise"] == pytest.approx(1.0, abs=0.05)
@@ -501,8 +486,8 @@ def test_a_loss_that_does_not_rise_leaves_the_closed_loop_as_without_the_gate(tm
         module = LM("demo", lr=0.0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", LNLightningWarning)
-            _logged_trainer(tmp_path / name, _plugin(steps=12, tolerance=0.05, **extra), 10).fit(module, train_dataloaders=loader())
-        blends[name] = _csv_column(tmp_path / name / "logs", "ln_placement/transition")
+            logged_trainer(tmp_path / name, _plugin(steps=12, tolerance=0.05, **extra), 10).fit(module, train_dataloaders=loader())
+        blends[name] = csv_column(tmp_path / name / "logs", "ln_placement/transition")
     assert blends["both"] == blends["drift"] and len(set(blends["drift"])) > 2
 
 

@@ -7,17 +7,14 @@ blend it held against the model pinned at blend 0 (lr 0: the weights stay the tr
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from _helpers_transition import LM, loader, trainer
-from lightning.pytorch.loggers import CSVLogger
+from _helpers_transition import LM, csv_column, loader, logged_trainer, trainer
 from torch.nn import functional as F
 
 from ln_lightning import LNLightningWarning, TransitionSpec, _distill
@@ -174,18 +171,9 @@ def test_in_a_fit_the_excess_is_the_models_loss_at_its_blend_minus_the_trained_f
     assert excesses == pytest.approx(expected, rel=1e-3, abs=1e-5)
 
 
-def _csv_column(root: Path, name: str) -> list[float]:
-    with open(next(root.rglob("metrics.csv"))) as f:
-        return [float(r[name]) for r in csv.DictReader(f) if r.get(name) not in (None, "")]
-
-
 def _logged(tmp_path, spec, steps, module):
-    from lightning.pytorch import Trainer
-
-    plugin = LNPlacement("pre", transition=spec, fused=False, log_report=True)
-    Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-            default_root_dir=tmp_path, plugins=[plugin], enable_checkpointing=False).fit(module, train_dataloaders=loader())
+    logged_trainer(tmp_path, LNPlacement("pre", transition=spec, fused=False, log_report=True), steps).fit(
+        module, train_dataloaders=loader())
 
 
 def test_an_excess_over_the_tolerance_holds_the_blend_and_the_run_says_why(tmp_path):
@@ -201,7 +189,7 @@ def test_an_excess_over_the_tolerance_holds_the_blend_and_the_run_says_why(tmp_p
     assert any(re.search(r"spent its budget of 12 steps at blend .*loss excess tolerance 0\.0001\).*stays .* above the "
                          r"trained function's on the same batches", m) for m in said), said
     assert any("excess_tolerance=0.0001" in m for m in said), said
-    logged = _csv_column(tmp_path / "logs", "ln_placement/loss_excess")
+    logged = csv_column(tmp_path / "logs", "ln_placement/loss_excess")
     assert len(logged) == 12 and logged[0] == pytest.approx(0.0, abs=1e-6) and logged[-1] > 1e-4
     final = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
     assert final["finished"] is False and final["excess_tolerance"] == 1e-4 and final["loss_excess"] > 1e-4
@@ -224,7 +212,7 @@ def test_a_loss_that_rises_for_another_reason_is_no_excess(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", LNLightningWarning)
             _logged(tmp_path / name, TransitionSpec(steps=12, tolerance=0.05, **extra), 10, module)
-        blends[name] = _csv_column(tmp_path / name / "logs", "ln_placement/transition")
+        blends[name] = csv_column(tmp_path / name / "logs", "ln_placement/transition")
     assert blends["excess"] == blends["drift"] and len(set(blends["drift"])) > 2
 
 
@@ -233,7 +221,6 @@ def test_a_resumed_fit_smooths_the_excess_from_where_the_uninterrupted_one_was(t
     4 logs the same ln_placement/loss_excess at every later step as the uninterrupted fit (so its gate decides alike),
     and ends with the same weights. Without it (`restore` a no-op) the resumed fit starts its smoothing again and the
     logged excess parts at the first resumed step."""
-    from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ln_lightning._transition_run import CHECKPOINT_KEY, TransitionRun
@@ -245,12 +232,10 @@ def test_a_resumed_fit_smooths_the_excess_from_where_the_uninterrupted_one_was(t
         module.hparams.lr = 1e-3  # the weights train: the excess moves from step to step
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", LNLightningWarning)
-            Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(root / "logs"), log_every_n_steps=1,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                    default_root_dir=root, plugins=[LNPlacement("pre", transition=spec, fused=False, log_report=False)],
-                    callbacks=list(callbacks), enable_checkpointing=bool(callbacks)).fit(
+            logged_trainer(root, LNPlacement("pre", transition=spec, fused=False, log_report=False), steps,
+                           callbacks=list(callbacks), enable_checkpointing=bool(callbacks)).fit(
                 module, train_dataloaders=loader(), ckpt_path=ckpt_path)
-        return module, _csv_column(root / "logs", "ln_placement/loss_excess")
+        return module, csv_column(root / "logs", "ln_placement/loss_excess")
 
     straight, logged = fit(tmp_path / "a", 10)
     assert len(logged) == 10 and len(set(logged)) == 10
