@@ -576,7 +576,10 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
             self.training_drift_forwards = 0  # the training drift's extra forwards (TransitionSpec.training_drift_factor)
 
         def _teacher_runs(self, pl_module) -> bool:
-            return teacher_in_transition(self.plugin) and transition.active(pl_module) is not None
+            # A closed loop that spent its budget short of blend 1 holds the blend and pauses its distillation: no
+            # teacher forward from then on (its steps counter stays at the budget), so none is charged.
+            t = transition.active(pl_module)
+            return teacher_in_transition(self.plugin) and t is not None and not (t.steps and t.host_steps >= t.steps)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             step = trainer.global_step
