@@ -1,4 +1,5 @@
-"""The compiled CPU kernels' cache is shared by checkouts at different paths (ln_lightning/norm/_extension.py).
+"""The compiled CPU kernels' cache is shared by checkouts at different paths and by venvs with the same torch
+(ln_lightning/norm/_extension.py).
 
 ninja's build file records the path of what it compiles; the build compiles a copy of the source kept in the
 hash-named build directory, so a second checkout (a fresh clone, a CI workspace) finds an identical build file
@@ -68,3 +69,51 @@ def test_the_loaded_kernels_were_built_from_the_copy():
     ninja = open(os.path.join(build_dir, "build.ninja")).read()
     assert os.path.join(build_dir, _cpu_kernels.KERNELS.source.name) in ninja
     assert str(_cpu_kernels.KERNELS.source.parent) not in ninja  # the checkout's path is not in the build file
+
+
+def test_a_finished_build_loads_without_ninja_from_any_venv(monkeypatch):
+    """ninja's build file names the venv's torch headers, so going through torch's `load` made every new venv (a
+    fresh clone's, CI's second Lightning version) rebuild the kernels (about 75 s here with two workers): a build
+    directory that holds the built module is loaded directly."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    module = _cpu_kernels.KERNELS.module()
+    if module is None:
+        pytest.skip(f"no compiled kernels here: {_cpu_kernels.KERNELS.failure}")
+
+    def load(*args, **kwargs):
+        raise AssertionError("went through torch's load (ninja) although the build was there")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    again = _extension.build_extension("ln_lightning_add_norm_cpu", _cpu_kernels.KERNELS.source, "LayerNorm")
+    assert again.__file__ == module.__file__
+
+
+def test_a_build_under_way_or_a_broken_file_goes_through_torch(fake_load, tmp_path, caplog):
+    src = tmp_path / "clone" / "k.cpp"
+    src.parent.mkdir()
+    src.write_text("// v1\n")
+    _extension.build_extension("ln_test_kernels", src, "LayerNorm")
+    (name, [compiled]), = fake_load
+    build_dir = os.path.dirname(compiled)
+    assert name == os.path.basename(build_dir)
+    with open(os.path.join(build_dir, f"{name}.so"), "wb") as f:
+        f.write(b"not a shared object")  # a link cut short
+    with caplog.at_level("WARNING"):
+        assert _extension.build_extension("ln_test_kernels", src, "LayerNorm") == "module"
+    assert len(fake_load) == 2 and "did not load" in caplog.text
+    open(os.path.join(build_dir, "lock"), "w").close()  # another process builds: torch's load waits for it
+    caplog.clear()
+    assert _extension._load_built(name) is None and "did not load" not in caplog.text  # not even tried
+
+
+def test_another_torch_version_gets_its_own_build(fake_load, tmp_path, monkeypatch):
+    import torch
+
+    src = tmp_path / "k.cpp"
+    src.write_text("// v1\n")
+    _extension.build_extension("ln_test_kernels", src, "LayerNorm")
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    _extension.build_extension("ln_test_kernels", src, "LayerNorm")
+    (n1, _), (n2, _) = fake_load
+    assert n1 != n2  # a module built against other headers is never loaded

@@ -8,8 +8,10 @@ capability PyTorch itself dispatches to (AVX512, AVX2 or the baseline), and the 
 of the extension's name, so a cache shared between different machines never loads code built for
 another instruction set. So is a hash of the source: two installed versions of ln_lightning (two
 venvs, an upgrade while a run goes on) never load each other's build, whose functions may take
-other arguments. The build compiles a copy of the source kept in its build directory, so checkouts
-at different paths share one build.
+other arguments. So is torch's version and the flags, and a build directory that already holds the built
+module loads it directly: ninja's build file names the venv's torch headers, so going through ninja made every
+new venv (a fresh clone's, CI's second Lightning version) rebuild, and two venvs take turns rebuilding. The
+build compiles a copy of the source kept in its build directory, so checkouts at different paths share one build.
 
 When the build is impossible (no compiler, no ninja, a failed compile) the torch backend keeps
 using aten and one warning says why and how to fix it. ``LN_LIGHTNING_CPU_KERNELS=0`` turns the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import threading
@@ -62,24 +65,45 @@ def build_extension(name: str, source: Path, what: str):
     from torch.utils.cpp_extension import _get_build_directory, load
 
     cap = _capability()
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
-    name = f"{name}_{cap.lower()}_{digest}"
-    if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-        # Announce the one-time stall (a changed source gets a new name, so it is announced too).
-        _log.warning(
-            "ln_lightning: compiling the CPU %s kernels for %s (once per machine, about 30 s; "
-            "set %s=0 to use aten's kernels instead)", what, cap, ENV_VAR,
-        )
-    _clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
     flags = ["-O3", *_FLAGS.get(cap, [])]
+    digest = hashlib.sha256(source.read_bytes() + f"\0{torch.__version__}\0{' '.join(flags)}".encode()).hexdigest()[:10]
+    name = f"{name}_{cap.lower()}_{digest}"
+    serial = f"{name}_serial"
+    for built in (name, serial):  # the OpenMP build, or the serial one where OpenMP failed
+        module = _load_built(built)
+        if module is not None:
+            return module
+    # Announce the one-time stall (a changed source or torch gets a new name, so it is announced too).
+    _log.warning("ln_lightning: compiling the CPU %s kernels for %s (once per machine and torch version, about 30 s; "
+                 "set %s=0 to use aten's kernels instead)", what, cap, ENV_VAR)
+    _clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
     try:
         return load(name=name, sources=[str(source_in_build_dir(name, source))], extra_cflags=[*flags, "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - e.g. Apple clang has no -fopenmp: build the serial kernels
         _log.warning("ln_lightning: building the CPU kernels with OpenMP failed (%s); building them single-threaded",
                      str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__)
-        serial = f"{name}_serial"
         return load(name=serial, sources=[str(source_in_build_dir(serial, source))], extra_cflags=flags, verbose=False)
+
+
+def _load_built(name: str):
+    """The module a finished build of ``name`` left in its build directory, or None (none there, a build under way,
+    or a file that does not load: the build through torch then runs and replaces it)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    built = build_dir / f"{name}.so"
+    if not built.exists() or (build_dir / "lock").exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - e.g. a link cut short by a killed process
+        _log.warning("ln_lightning: the built CPU kernels %s did not load (%s); building them again", built,
+                     str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__)
+        return None
+    return module
 
 
 def _clear_stale_lock(build_dir: Path, stale_after: float | None = None) -> None:
