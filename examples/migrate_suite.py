@@ -430,6 +430,22 @@ HISTORY = [
     "1 - q as -expm1(log q), the cross-entropy form checked within the gradient's dtype's rounding); marian_seq2seq B300, "
     "where the excess holds the blend, run again on it gave the same held-out losses, blends and training losses, bit "
     "for bit.",
+    "2026-12-07, the compute count corrected (07003fa): a closed loop that spends its budget short of blend 1 pauses its "
+    "distillation (no teacher forward from then on; the code since 785ee91), but the Probe still charged a teacher "
+    "forward for every later step, so each run that stopped short was given 3/4 of the unchanged run's steps instead of "
+    "what its compute allows (B300: 225 steps instead of 240; B600: 450 instead of 480). Every such run of "
+    "closed_S0.6_t0.05_lp_x0.02 (the default) and of closed_S0.6_t0.05_lp (the incumbent) was run again on the checkout "
+    "at 07003fa and 8a13c3f (which changed only how the CPU kernels' cache is loaded), 2 at a "
+    "time, one thread each, from the same pretrained checkpoints, and replaces its row; bart_denoise B600 and the "
+    "rows that reached blend 1 are unchanged. The transitions are the same (the same worst excess where it comes "
+    "during the transition, the same blend reached); what changed is the steps after the budget, and with them the "
+    "final held-out loss over continuing unchanged (before -> after): the default's xt_encoder_mlm B300 +0.0323 -> "
+    "+0.0142 (now within the goal, said so), B600 +0.0079 -> +0.0376 (now over it), marian_seq2seq B300 +0.0192 -> "
+    "+0.0217 (now over it), B600 +0.0299 -> +0.0213, xt_decoder +0.0011 -> +0.0035 and +0.0011 -> +0.0116, bart_denoise "
+    "B300 +0.0108 -> +0.0097. The two xt_encoder_mlm flips are within that model's own evaluation noise: its unchanged "
+    "run's held-out loss spans 0.022-0.023 over the last quarter of either budget, more than the goal's final margin "
+    "(0.02); marian_seq2seq's spans 0.007-0.008. The other arms' rows that stopped short keep the count they ran "
+    "with: where their code paused the teacher, they were given up to 30 steps fewer than they were due.",
 ]
 
 # Arms tuned on the TUNING half: on the HELD-OUT half only the one picked there runs (set once it is picked).
