@@ -289,9 +289,10 @@ def test_cpu_kernel_build_failure_warns_once_and_falls_back(monkeypatch):
     assert x.grad is not None
 
 
-def test_cpu_kernel_build_retries_without_openmp(monkeypatch):
+def test_cpu_kernel_build_retries_without_openmp(monkeypatch, tmp_path):
     import torch.utils.cpp_extension as cpp_extension
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache: a finished build would load directly
     calls = []
 
     def fake_load(name, sources, extra_cflags, extra_ldflags=(), verbose=False):

@@ -7,6 +7,7 @@ and nothing to rebuild."""
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -104,7 +105,7 @@ def test_a_build_under_way_or_a_broken_file_goes_through_torch(fake_load, tmp_pa
     assert len(fake_load) == 2 and "did not load" in caplog.text
     open(os.path.join(build_dir, "lock"), "w").close()  # another process builds: torch's load waits for it
     caplog.clear()
-    assert _extension._load_built(name) is None and "did not load" not in caplog.text  # not even tried
+    assert _extension._load_built(name, Path(build_dir)) is None and "did not load" not in caplog.text  # not tried
 
 
 def test_another_torch_version_gets_its_own_build(fake_load, tmp_path, monkeypatch):

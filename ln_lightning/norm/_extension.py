@@ -70,7 +70,7 @@ def build_extension(name: str, source: Path, what: str):
     name = f"{name}_{cap.lower()}_{digest}"
     serial = f"{name}_serial"
     for built in (name, serial):  # the OpenMP build, or the serial one where OpenMP failed
-        module = _load_built(built)
+        module = _load_built(built, Path(_get_build_directory(built, verbose=False)))
         if module is not None:
             return module
     # Announce the one-time stall (a changed source or torch gets a new name, so it is announced too).
@@ -86,12 +86,9 @@ def build_extension(name: str, source: Path, what: str):
         return load(name=serial, sources=[str(source_in_build_dir(serial, source))], extra_cflags=flags, verbose=False)
 
 
-def _load_built(name: str):
-    """The module a finished build of ``name`` left in its build directory, or None (none there, a build under way,
-    or a file that does not load: the build through torch then runs and replaces it)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    build_dir = Path(_get_build_directory(name, verbose=False))
+def _load_built(name: str, build_dir: Path):
+    """The module a finished build of ``name`` left in ``build_dir``, or None (none there, a build under way, or a
+    file that does not load: the build through torch then runs and replaces it)."""
     built = build_dir / f"{name}.so"
     if not built.exists() or (build_dir / "lock").exists():
         return None
