@@ -68,6 +68,8 @@ class TransitionRun:
         if reason is not None:
             self.distill.off_reason = reason
             self._warn_no_distillation(trainer, reason, t, self.spec.loss_tolerance, self.spec.excess_tolerance)
+        elif self.over_budget:
+            self.distill.pause()  # as the fit that spent the budget did: the teacher kept for checkpoints, not run
 
     def begin_step(self, pl_module: LightningModule) -> None:
         """Before a training batch: hold the blend, log it, and say whether this step trains at the end point."""

@@ -201,6 +201,34 @@ def test_closed_loop_resume_gives_the_uninterrupted_weights(tmp_path):
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
 
 
+def test_a_fit_resumed_after_the_budget_was_spent_holds_the_blend_without_distilling_as_the_uninterrupted_one(
+        tmp_path, monkeypatch):
+    """The budget spent short of blend 1, the uninterrupted fit pauses its distillation (no teacher forward, no term
+    in the loss); a fit resumed from a checkpoint written after that must not start it again."""
+    teacher_runs = []
+    original = _distill.kl_per_position
+    monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: teacher_runs.append(1) or original(s, t))
+    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0)
+    with pytest.warns(LNLightningWarning, match="spent its budget"):
+        straight = LM("demo")
+        trainer(tmp_path / "a", _plugin(**spec), max_steps=9).fit(straight, train_dataloaders=loader())
+    assert len(teacher_runs) == 4  # the budget's steps only
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1)
+    with pytest.warns(LNLightningWarning, match="spent its budget"):
+        trainer(tmp_path / "b", _plugin(**spec), max_steps=6, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
+    path = next((tmp_path / "ck").glob("*step=6*.ckpt"))
+    teacher_runs.clear()
+    resumed = LM("demo")
+    with pytest.warns(LNLightningWarning, match="spent its budget of 4 steps"):  # said again on the second fit
+        logged_trainer(tmp_path / "c", _plugin(**spec), 9).fit(resumed, train_dataloaders=loader(), ckpt_path=path)
+    assert teacher_runs == []
+    assert csv_column(tmp_path / "c" / "logs", "ln_placement/distill_kl") == [0.0, 0.0, 0.0]
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 # ---------------------------------------------------------------------------------------------- point 4: dropout
 class DropoutLM(LM):
     def __init__(self, lr: float = 1e-2):
