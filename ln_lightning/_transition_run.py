@@ -68,7 +68,7 @@ class TransitionRun:
         if reason is not None:
             self.distill.off_reason = reason
             self._warn_no_distillation(trainer, reason, t, self.spec.loss_tolerance, self.spec.excess_tolerance)
-        elif self.over_budget:
+        elif self.over_budget and not spec.distill_after_budget:
             self.distill.pause()  # as the fit that spent the budget did: the teacher kept for checkpoints, not run
 
     def begin_step(self, pl_module: LightningModule) -> None:
@@ -215,7 +215,7 @@ class TransitionRun:
         need = self.pace.update(done, a, steps)  # the budget the recent pace needs (None: the blend has stopped moving)
         if done >= steps:
             self._warn_over_budget(trainer, t, a)
-            if distill is not None and distill.active:
+            if distill is not None and distill.active and not spec.distill_after_budget:
                 distill.pause()  # the blend is held from here: no teacher forward, the teacher kept for checkpoints
         elif not self.warned_pace and done >= steps // 4 and (need is None or need > steps):
             self.warned_pace = True
@@ -275,7 +275,9 @@ class TransitionRun:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
                  f"blend {a:.4g} ({self._tolerances()}); {self._pace_words(need)}. "
                  f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
-                 "load back into it), and the fit goes on there. Continue with a larger budget, "
+                 "load back into it), and the fit goes on there"
+                 + (", distilling towards the trained function" if spec.distill_after_budget else "")
+                 + ". Continue with a larger budget, "
                  f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
                  + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
                  + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")

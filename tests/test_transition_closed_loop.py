@@ -229,6 +229,40 @@ def test_a_fit_resumed_after_the_budget_was_spent_holds_the_blend_without_distil
         assert torch.equal(a[k], b[k]), k
 
 
+def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(tmp_path, monkeypatch):
+    teacher_runs = []
+    original = _distill.kl_per_position
+    monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: teacher_runs.append(1) or original(s, t))
+    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, distill_after_budget=True)
+    with pytest.warns(LNLightningWarning, match="goes on there, distilling towards the trained function"):
+        straight = LM("demo")
+        logged_trainer(tmp_path / "a", _plugin(**spec), 9).fit(straight, train_dataloaders=loader())
+    assert len(teacher_runs) == 9  # every step, the budget's and after it
+    assert all(k > 0.0 for k in csv_column(tmp_path / "a" / "logs", "ln_placement/distill_kl")[4:])
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1)
+    with pytest.warns(LNLightningWarning, match="spent its budget"):
+        trainer(tmp_path / "b", _plugin(**spec), max_steps=6, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
+    teacher_runs.clear()
+    resumed = LM("demo")
+    with pytest.warns(LNLightningWarning, match="spent its budget of 4 steps"):
+        trainer(tmp_path / "c", _plugin(**spec), max_steps=9).fit(
+            resumed, train_dataloaders=loader(), ckpt_path=next((tmp_path / "ck").glob("*step=6*.ckpt")))
+    assert len(teacher_runs) == 3
+    a, b = straight.state_dict(), resumed.state_dict()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
+
+
+def test_distill_after_budget_validates():
+    assert TransitionSpec(steps=4, distill_after_budget=True).distill_after_budget is True
+    with pytest.raises(ValueError, match="distill_after_budget says what a closed loop .* needs a tolerance"):
+        TransitionSpec(steps=4, tolerance=None, distill_after_budget=True)
+    with pytest.raises(ValueError, match="and distill > 0"):
+        TransitionSpec(steps=4, distill=0.0, distill_after_budget=True)
+    with pytest.raises(ValueError, match="must be True or False"):
+        TransitionSpec(steps=4, distill_after_budget=1)
+
+
 # ---------------------------------------------------------------------------------------------- point 4: dropout
 class DropoutLM(LM):
     def __init__(self, lr: float = 1e-2):

@@ -152,6 +152,11 @@ class TransitionSpec:
             loop before it: 12), the largest worst excess on the tuning half fell from 1.65 to 0.79 of the goal's
             band, and 5 runs that can't finish in their budget stop short within the goal and say so (1 before); one
             run that finished within the goal before now stops short (docs/results/migrate_suite).
+        distill_after_budget: closed loop: what a transition that spends its budget short of blend 1 does for the
+            rest of the fit, at the blend it holds. ``False`` (the default): it stops distilling (no teacher forward,
+            no term in the loss; the teacher is kept for checkpoints). ``True``: it goes on distilling towards the
+            trained function (a teacher forward per step), which pulls the held blend's function back towards it.
+            Needs ``distill > 0``.
     """
 
     steps: int
@@ -167,6 +172,7 @@ class TransitionSpec:
     loss_tolerance: float | None = None
     drift_positions: str | None = None  # "loss" in the closed loop, "all" in the open loop
     excess_tolerance: float | None = None  # EXCESS_TOLERANCE in the closed loop, off in the open loop
+    distill_after_budget: bool = False
 
     def __post_init__(self):
         steps = self.steps
@@ -226,6 +232,12 @@ class TransitionSpec:
             if tol is None:
                 raise ValueError("TransitionSpec: excess_tolerance gates the closed loop's blend; the open loop "
                                  "(tolerance=None) follows its schedule. Give a tolerance, or drop excess_tolerance.")
+        if not isinstance(self.distill_after_budget, bool):
+            raise ValueError(f"TransitionSpec: distill_after_budget must be True or False, got {self.distill_after_budget!r}.")
+        if self.distill_after_budget and (tol is None or self.distill <= 0):
+            raise ValueError("TransitionSpec: distill_after_budget says what a closed loop that spent its budget short of "
+                             "blend 1 does next; it needs a tolerance (the closed loop) and distill > 0. Give both, or "
+                             "drop distill_after_budget.")
         if self.drift_positions is None:
             object.__setattr__(self, "drift_positions", "all" if tol is None else "loss")
         if self.drift_positions not in DRIFT_POSITIONS:
