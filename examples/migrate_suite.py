@@ -466,7 +466,8 @@ INCUMBENT = EXCESS_GATE_ARM
 # The rule's pick on the TUNING half: closed_S0.6_t0.05 from order 2 (settled before encoder_cls B600 ended: t0.02 had
 # already failed three tuning runs, t0.05 none) to order 7, which picked closed_S0.6_t0.03_k2 (by 0.0003 of worst excess).
 # Order 12 picked closed_S0.6_t0.05_lp, run on the held-out half by order 13. Order 14 picked closed_S0.6_t0.05_lp_x0.02.
-PICKED: str | None = EXCESS_GATE_ARM
+# Order 15 picked closed_S0.6_t0.05_lp_x0.02_kd (8 tuning runs met the goal or stopped short within it and said so, 7).
+PICKED: str | None = DISTILL_AFTER_BUDGET_ARM
 
 
 # The latest order's rule (9): a win over the incumbent needs this share of the goal's band (0.0003 of excess was noise).
