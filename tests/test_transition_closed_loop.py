@@ -111,7 +111,8 @@ def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finis
     original = _distill.kl_per_position
     monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: teacher_runs.append(1) or original(s, t))
     module = LM("demo", lr=0.0)
-    plugin = LNPlacement("pre", transition=TransitionSpec(steps=6, tolerance=1e-12, endpoint_fraction=0.0), fused=False)
+    spec = TransitionSpec(steps=6, tolerance=1e-12, endpoint_fraction=0.0, distill_after_budget=False)
+    plugin = LNPlacement("pre", transition=spec, fused=False)
     with pytest.warns(LNLightningWarning) as caught:
         logged_trainer(tmp_path, plugin, 8).fit(module, train_dataloaders=loader())
     said = [str(w.message) for w in caught if w.category is LNLightningWarning]
@@ -208,7 +209,7 @@ def test_a_fit_resumed_after_the_budget_was_spent_holds_the_blend_without_distil
     teacher_runs = []
     original = _distill.kl_per_position
     monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: teacher_runs.append(1) or original(s, t))
-    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0)
+    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, distill_after_budget=False)
     with pytest.warns(LNLightningWarning, match="spent its budget"):
         straight = LM("demo")
         trainer(tmp_path / "a", _plugin(**spec), max_steps=9).fit(straight, train_dataloaders=loader())
@@ -233,7 +234,7 @@ def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(t
     teacher_runs = []
     original = _distill.kl_per_position
     monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: teacher_runs.append(1) or original(s, t))
-    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, distill_after_budget=True)
+    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0)  # distill_after_budget's default in the closed loop
     with pytest.warns(LNLightningWarning, match="goes on there, distilling towards the trained function"):
         straight = LM("demo")
         logged_trainer(tmp_path / "a", _plugin(**spec), 9).fit(straight, train_dataloaders=loader())
@@ -254,12 +255,15 @@ def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(t
 
 
 def test_distill_after_budget_validates():
-    assert TransitionSpec(steps=4, distill_after_budget=True).distill_after_budget is True
+    assert TransitionSpec(steps=4).distill_after_budget is True  # the closed loop's default (suite order 15)
+    assert TransitionSpec(steps=4, tolerance=None).distill_after_budget is False  # the open loop has no budget's end
+    assert TransitionSpec(steps=4, distill=0.0).distill_after_budget is False
+    assert TransitionSpec(steps=4, distill_after_budget=False).distill_after_budget is False
     with pytest.raises(ValueError, match="distill_after_budget says what a closed loop .* needs a tolerance"):
         TransitionSpec(steps=4, tolerance=None, distill_after_budget=True)
     with pytest.raises(ValueError, match="and distill > 0"):
         TransitionSpec(steps=4, distill=0.0, distill_after_budget=True)
-    with pytest.raises(ValueError, match="must be True or False"):
+    with pytest.raises(ValueError, match="must be True, False or None"):
         TransitionSpec(steps=4, distill_after_budget=1)
 
 

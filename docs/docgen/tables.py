@@ -370,7 +370,7 @@ EXAMPLES = [
 
 # ------------------------------------------------------------------ migrate_suite (examples/migrate_suite.py)
 
-_SUITE_ARMS = ("hard", "default", "closed_S0.6_t0.05", "closed_S0.6_t0.05_lp", "closed_S0.6_t0.05_lp_x0.02")
+_SUITE_ARMS = ("hard", "default", "closed_S0.6_t0.05", "closed_S0.6_t0.05_lp_x0.02", "closed_S0.6_t0.05_lp_x0.02_kd")
 
 
 def _suite_cell(r: dict | None) -> str:
@@ -402,10 +402,12 @@ def migrate_suite() -> str:
         "(`transition_steps` = a third of the budget); the closed loops have a budget of 0.6 of it. The default tolerance "
         "(`closed_S0.6_t0.05`) was picked on the tuning half and run untouched on the held-out half; the methods tried "
         f"after it (the last pick: `{d['rule_picks']}`) and how each did are on the results page. `closed_S0.6_t0.05_lp_x0.02` "
-        "is the library's default since order 14 (`TransitionSpec(steps, tolerance=0.05)`: its drift taken over the "
-        "positions the loss counts, since order 13, and its blend also held while the training loss's paired excess over "
-        "the trained function's is above 0.02). \"said so in time\": the run stopped short of blend 1 within the goal's "
-        "excess and final, and warned before its budget's end that it would. " + _caption("migrate_suite")])
+        "was the library's default in order 14 (its drift taken over the positions the loss counts, since order 13, and "
+        "its blend also held while the training loss's paired excess over the trained function's is above 0.02); "
+        "`closed_S0.6_t0.05_lp_x0.02_kd` is the default since order 15 (`TransitionSpec(steps, tolerance=0.05)`: the same, "
+        "and a transition that spends its budget short of blend 1 goes on distilling at the blend it holds). \"said so "
+        "in time\": the run stopped short of blend 1 within the goal's excess and final, and warned before its budget's "
+        "end that it would. " + _caption("migrate_suite")])
 
 
 def migrate_suite_needs() -> str:
