@@ -28,8 +28,11 @@ import torch
 # threads cost more than the work. Tests that need several threads set them (the CPU kernels' thread-count
 # determinism tests). Measured (issue 32, 2026-12-06, 1,104 tests not marked slow, the compiled-kernel cache built,
 # an idle 2-core machine): the quick run (`-n 2`) 44.8 and 45.1 s wall (41 s in pytest); one worker, 65-69 s (63 s in
-# pytest, 8-9 s of it collecting: torch, Lightning, transformers and x-transformers imports). The first run in a new
-# checkout adds the kernels' build (about 50 s each; the cache's build files name the source path).
+# pytest, 8-9 s of it collecting: torch, Lightning, transformers and x-transformers imports). Measured again on
+# 2026-12-07 on the same machine, slower that day (a pure-Python loop of 10**7 additions 1.53 s; importing
+# lightning.pytorch 10 s), from a fresh clone and venv with the kernel cache built: 113.9 s wall (106 s in pytest,
+# 1,106 tests), about 25 s of it each worker's collection. A new venv loads a finished kernel build directly
+# (norm/_extension.py); before, each new venv rebuilt both kernels (75 s more).
 torch.set_num_threads(1)
 
 # CI (CI=true) runs the property tests on hypothesis' fixed, derandomized examples, so a run's result is
