@@ -265,7 +265,9 @@ class TransitionRun:
         need = self.pace.update(t.host_steps, a, t.steps)
         self.over_budget = True
         self.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
-                           "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since}
+                           "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since,
+                           "distill_after_budget": bool(spec.distill_after_budget and self.distill is not None
+                                                        and self.distill.off_reason is None)}
         if self.loss_gate is not None:
             self.unfinished.update(loss_tolerance=spec.loss_tolerance, loss_rise=self.loss_gate.read())
         if spec.excess_tolerance is not None:  # (JSON has no infinity: an excess tolerance that never holds is null)

@@ -129,6 +129,7 @@ def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finis
     final = payload["transition"]
     assert final["finished"] is False and final["budget_needed"] is None and final["stalled_since"] == 1
     assert final["tolerance"] == 1e-12
+    assert final["distill_after_budget"] is False  # what the fit does at the held blend from here
     assert final["blend"] == pytest.approx(t.blend.item())
     assert csv_column(tmp_path / "logs", "ln_placement/transition")[-1] == pytest.approx(t.blend.item())
     # The budget spent, the blend is held and the teacher no longer runs (steps 6 and 7), nor adds a term.

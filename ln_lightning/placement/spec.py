@@ -150,8 +150,9 @@ class TransitionSpec:
             and logged, never holding the blend (the closed loop before it). The default since the migration suite's
             order 14: the held-out loss stayed within the goal's excess on all 16 runs of both halves (the closed
             loop before it: 12), the largest worst excess on the tuning half fell from 1.65 to 0.79 of the goal's
-            band, and 5 runs that can't finish in their budget stop short within the goal and say so (1 before); one
-            run that finished within the goal before now stops short (docs/results/migrate_suite).
+            band, and 5 runs that can't finish in their budget stop short within the goal and say so (1 before; 4
+            with the suite's compute count corrected since); one run that finished within the goal before now stops
+            short (docs/results/migrate_suite).
         distill_after_budget: closed loop: what a transition that spends its budget short of blend 1 does for the
             rest of the fit, at the blend it holds. ``True``: it goes on distilling towards the trained function (a
             teacher forward per step), which pulls the held blend's function back towards it; the excess the loop
