@@ -421,9 +421,11 @@ def migrate_suite_needs() -> str:
     for r in sorted(rows, key=lambda r: (order.index(r["model"]), r["arm"], r["budget"])):
         tol = r["arm"].rpartition("_t")[2]
         suffix = ""
+        if tol.endswith("_kd"):  # distilling on after a budget spent short (TransitionSpec(distill_after_budget=True))
+            tol, suffix = tol[:-3], ", distilling after the budget"
         if "_x" in tol:  # the paired loss excess as well: TransitionSpec(excess_tolerance=...)
             tol, _, excess = tol.partition("_x")
-            suffix = f", loss excess {excess}"
+            suffix = f", loss excess {excess}" + suffix
         if tol.endswith("_e0"):  # no endpoint steps (TransitionSpec(endpoint_fraction=0))
             tol, suffix = tol[:-3], ", no endpoint steps"
         if tol.endswith("_lp"):  # the drift over the loss's positions (TransitionSpec(drift_positions="loss"))
