@@ -70,6 +70,13 @@ class TransitionRun:
             self._warn_no_distillation(trainer, reason, t, self.spec.loss_tolerance, self.spec.excess_tolerance)
         elif self.over_budget and not spec.distill_after_budget:
             self.distill.pause()  # as the fit that spent the budget did: the teacher kept for checkpoints, not run
+        if self.unfinished is not None:  # (said before the distillation started: what it does now)
+            self.unfinished["distill_after_budget"] = self._distills_after_budget()
+
+    def _distills_after_budget(self) -> bool:
+        """Whether this fit distils at the blend a spent budget holds (TransitionSpec.distill_after_budget, and a
+        distillation that runs)."""
+        return bool(self.spec.distill_after_budget and self.distill is not None and self.distill.off_reason is None)
 
     def begin_step(self, pl_module: LightningModule) -> None:
         """Before a training batch: hold the blend, log it, and say whether this step trains at the end point."""
@@ -266,8 +273,7 @@ class TransitionRun:
         self.over_budget = True
         self.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
                            "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since,
-                           "distill_after_budget": bool(spec.distill_after_budget and self.distill is not None
-                                                        and self.distill.off_reason is None)}
+                           "distill_after_budget": self._distills_after_budget()}
         if self.loss_gate is not None:
             self.unfinished.update(loss_tolerance=spec.loss_tolerance, loss_rise=self.loss_gate.read())
         if spec.excess_tolerance is not None:  # (JSON has no infinity: an excess tolerance that never holds is null)

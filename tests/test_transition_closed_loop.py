@@ -246,10 +246,13 @@ def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(t
         trainer(tmp_path / "b", _plugin(**spec), max_steps=6, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
     teacher_runs.clear()
     resumed = LM("demo")
+    plugin = LNPlacement("pre", transition=TransitionSpec(**spec), fused=False)  # (writes its report)
     with pytest.warns(LNLightningWarning, match="spent its budget of 4 steps"):
-        trainer(tmp_path / "c", _plugin(**spec), max_steps=9).fit(
+        logged_trainer(tmp_path / "c", plugin, 9).fit(
             resumed, train_dataloaders=loader(), ckpt_path=next((tmp_path / "ck").glob("*step=6*.ckpt")))
     assert len(teacher_runs) == 3
+    report = json.loads(next((tmp_path / "c" / "logs").rglob(REPORT_FILENAME)).read_text())
+    assert report["transition"]["finished"] is False and report["transition"]["distill_after_budget"] is True
     a, b = straight.state_dict(), resumed.state_dict()
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
