@@ -69,14 +69,16 @@ def build_extension(name: str, source: Path, what: str):
     digest = hashlib.sha256(source.read_bytes() + f"\0{torch.__version__}\0{' '.join(flags)}".encode()).hexdigest()[:10]
     name = f"{name}_{cap.lower()}_{digest}"
     serial = f"{name}_serial"
-    for built in (name, serial):  # the OpenMP build, or the serial one where OpenMP failed
-        module = _load_built(built, Path(_get_build_directory(built, verbose=False)))
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    # The serial build's directory is its sibling (torch's _get_build_directory would create it, unused, each time).
+    for built, where in ((name, build_dir), (serial, build_dir.with_name(serial))):  # OpenMP, or serial where it failed
+        module = _load_built(built, where)
         if module is not None:
             return module
     # Announce the one-time stall (a changed source or torch gets a new name, so it is announced too).
     _log.warning("ln_lightning: compiling the CPU %s kernels for %s (once per machine and torch version, about 30 s; "
                  "set %s=0 to use aten's kernels instead)", what, cap, ENV_VAR)
-    _clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
+    _clear_stale_lock(build_dir)
     try:
         return load(name=name, sources=[str(source_in_build_dir(name, source))], extra_cflags=[*flags, "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
