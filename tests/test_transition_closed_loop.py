@@ -30,6 +30,15 @@ def _plugin(**spec) -> LNPlacement:
     return LNPlacement("pre", transition=TransitionSpec(**spec), fused=False, log_report=False)
 
 
+@pytest.fixture
+def teacher_runs(monkeypatch) -> list:
+    """One entry per distillation comparison with the teacher (a teacher forward), counted as the fit runs."""
+    runs = []
+    original = _distill.kl_per_position
+    monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: runs.append(1) or original(s, t))
+    return runs
+
+
 # ---------------------------------------------------------------------------------------------- the gate itself
 def test_gate_smooths_the_drift_and_advances_only_within_the_tolerance_against_a_hand_computation():
     t = Transition(steps=10, kind="closed")
@@ -106,10 +115,7 @@ def test_after_an_open_loop_transition_the_dashboard_shows_it_ended(tmp_path):
     assert len(kl) == 7 and kl[4:] == [0.0, 0.0, 0.0]  # no term added after the end; before it, the measured KL
 
 
-def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finishes(tmp_path, monkeypatch):
-    teacher_runs = []
-    original = _distill.kl_per_position
-    monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: teacher_runs.append(1) or original(s, t))
+def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finishes(tmp_path, teacher_runs):
     module = LM("demo", lr=0.0)
     spec = TransitionSpec(steps=6, tolerance=1e-12, endpoint_fraction=0.0, distill_after_budget=False)
     plugin = LNPlacement("pre", transition=spec, fused=False)
@@ -204,12 +210,9 @@ def test_closed_loop_resume_gives_the_uninterrupted_weights(tmp_path):
 
 
 def test_a_fit_resumed_after_the_budget_was_spent_holds_the_blend_without_distilling_as_the_uninterrupted_one(
-        tmp_path, monkeypatch):
+        tmp_path, teacher_runs):
     """The budget spent short of blend 1, the uninterrupted fit pauses its distillation (no teacher forward, no term
     in the loss); a fit resumed from a checkpoint written after that must not start it again."""
-    teacher_runs = []
-    original = _distill.kl_per_position
-    monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: teacher_runs.append(1) or original(s, t))
     spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, distill_after_budget=False)
     with pytest.warns(LNLightningWarning, match="spent its budget"):
         straight = LM("demo")
@@ -231,10 +234,7 @@ def test_a_fit_resumed_after_the_budget_was_spent_holds_the_blend_without_distil
         assert torch.equal(a[k], b[k]), k
 
 
-def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(tmp_path, monkeypatch):
-    teacher_runs = []
-    original = _distill.kl_per_position
-    monkeypatch.setattr(_distill, "kl_per_position", lambda s, t: teacher_runs.append(1) or original(s, t))
+def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(tmp_path, teacher_runs):
     spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0)  # distill_after_budget's default in the closed loop
     with pytest.warns(LNLightningWarning, match="goes on there, distilling towards the trained function"):
         straight = LM("demo")
