@@ -133,12 +133,32 @@ class TransitionRun:
         if a is not None and a >= 1.0:
             self._finished(t)
 
-    def settle(self, pl_module: LightningModule) -> None:
-        """At the fit's end: a closed loop that reached blend 1 since its last read ends now, and says so."""
+    def settle(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """At the fit's end: a closed loop that reached blend 1 since its last read ends now, and says so; one that
+        spent its budget short of it and distilled on says what its training loss costs now (one host read)."""
         state = rewrite_state.of(pl_module)
         t = None if state is None else state.transition
         if t is not None and self.finished is None and state.settle(pl_module):
             self._finished(t)
+        elif t is not None and self.unfinished is not None and self._distills_after_budget():
+            self._say_excess_at_end(trainer, float(t.blend))
+
+    def _say_excess_at_end(self, trainer: Trainer, a: float) -> None:
+        """The smoothed loss excess a spent budget's fit ends with: in the report, and a warning where it is over the
+        tolerance (the model then computes a training loss further above the trained function's than was agreed)."""
+        tol = self.spec.excess_tolerance
+        excess = self._excess_read() if tol is not None else None
+        if excess is None:
+            return
+        self.unfinished["loss_excess_at_end"] = excess
+        words = (f"LNPlacement: the fit ends with the transition to {self.placement}-norm held at blend {a:.4g}, its "
+                 f"training loss {excess:.3g} above the trained function's on the same batches (smoothed)")
+        if excess <= tol:
+            info(log, words + f", within the loss excess tolerance ({tol:g}).")
+        elif trainer.is_global_zero:
+            warn(words + f", over the loss excess tolerance ({tol:g}): distilling at that blend did not bring it back "
+                 "within what was agreed. Fit on (it goes on distilling there), or keep the checkpoint the transition "
+                 "started from; a held-out evaluation tells which is better for this model.")
 
     def _finished(self, t) -> None:
         if self.distill is not None:
@@ -194,6 +214,7 @@ class TransitionRun:
         loss = distill.take_loss() if distill is not None and distill.active else None
         excess = distill.take_excess() if distill is not None and distill.active else None
         if self.over_budget:
+            self._observe_after_budget(trainer, pl_module, t, drift, excess)
             return None
         if not self.endpoint:  # an endpoint step's drift (and loss) is the end point's, not the held blend's
             if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
@@ -231,6 +252,20 @@ class TransitionRun:
                      f"{self.placement}-norm stands at blend {a:.3g}: {self._pace_words(need)}. Unless "
                      "that changes it will stop where it stands at the budget's end, not finish.")
         return a
+
+    def _observe_after_budget(self, trainer: Trainer, pl_module: LightningModule, t, drift, excess) -> None:
+        """A spent budget, distilling at the held blend (distill_after_budget): the teacher's forward still measures
+        the drift and the loss excess, so they are smoothed and logged as before (never gating: the blend is held),
+        and the dashboard and the fit's end show whether the held blend comes back towards the trained function."""
+        if self.distill is None or not self.distill.active or self.distill.paused:  # nothing measured (alike on every rank)
+            return
+        if drift is None:
+            drift = torch.zeros((), device=t.blend.device)
+        t.observe(trainer.strategy.reduce(drift, reduce_op="mean"))
+        pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
+        if self.spec.excess_tolerance is not None:
+            self._excess_gate(trainer, excess, t.blend.device)
+            pl_module.log("ln_placement/loss_excess", self.excess.clone(), on_step=True, on_epoch=False)
 
     def _excess_gate(self, trainer: Trainer, excess: torch.Tensor | None, device) -> torch.Tensor:
         """TransitionSpec.excess_tolerance's verdict on this step (a 0-dim bool tensor, the same on every rank): the

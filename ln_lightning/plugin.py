@@ -551,7 +551,7 @@ class LNPlacement(LayerSync, Callback):
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._run is not None and self._run.transition is not None:
-            self._run.transition.settle(pl_module)  # a closed loop at blend 1 since its last read ends here
+            self._run.transition.settle(trainer, pl_module)  # a closed loop at blend 1 since its last read ends here
         state = rewrite_state.of(pl_module)
         progress = None if state is None else state.progress()
         known = None if self._run is None or self._run.transition is None else self._run.transition.final_entry(progress)

@@ -195,6 +195,65 @@ def test_an_excess_over_the_tolerance_holds_the_blend_and_the_run_says_why(tmp_p
     assert final["finished"] is False and final["excess_tolerance"] == 1e-4 and final["loss_excess"] > 1e-4
 
 
+def test_after_a_spent_budget_the_distilling_fit_goes_on_measuring_the_excess_and_says_what_it_ends_at(tmp_path, monkeypatch):
+    """A budget of 6 steps in a fit of 12, an excess tolerance of 1e-4 the held blend stays over (lr 0: nothing trains
+    it back), distilling after the budget (the closed loop's default): ln_placement/loss_excess and ln_placement/drift
+    go on at every step after the budget (before, their lines stopped there), each raw excess is loss(model at the held
+    blend) - loss(model at blend 0) computed here by plain forwards, and the fit's end says, in a warning and the report,
+    the excess it ends at, which is over the tolerance."""
+    module = _trained_lm()
+    excesses = _raw(monkeypatch, "take_excess")
+    spec = TransitionSpec(steps=6, tolerance=100.0, endpoint_fraction=0.0, excess_tolerance=1e-4)
+    assert spec.distill_after_budget is True
+    with pytest.warns(LNLightningWarning) as caught:
+        _logged(tmp_path, spec, 12, module)
+    monkeypatch.undo()
+    held = transition.get_blend(module)
+    assert 0.0 < held < 1.0
+    logged = csv_column(tmp_path / "logs", "ln_placement/loss_excess")
+    assert len(logged) == 12 and len(csv_column(tmp_path / "logs", "ln_placement/drift")) == 12
+    x, y = next(iter(loader()))
+
+    def loss_at(a):
+        transition.set_blend(module, a)
+        with torch.no_grad():
+            out = module(x)
+        return F.cross_entropy(out.reshape(-1, out.size(-1)).double(), y.reshape(-1)).item()
+
+    module.train()
+    at_held = loss_at(held) - loss_at(0.0)
+    transition.set_blend(module, held)
+    assert at_held > 1e-4 and excesses[6:] == pytest.approx([at_held] * 6, rel=1e-3, abs=1e-5)
+    said = [str(w.message) for w in caught if w.category is LNLightningWarning]
+    assert any(re.search(r"the fit ends with the transition to pre-norm held at blend .*training loss .* above the trained "
+                         r"function's .*over the loss excess tolerance \(0\.0001\)", m) for m in said), said
+    final = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
+    assert final["distill_after_budget"] is True
+    assert final["loss_excess_at_end"] == pytest.approx(logged[-1], rel=1e-5) and final["loss_excess_at_end"] > 1e-4
+
+
+@pytest.mark.parametrize("after_budget", [True, False], ids=["distilling", "paused"])
+def test_a_held_blend_within_the_excess_tolerance_ends_without_a_warning_and_a_paused_one_measures_nothing(
+        tmp_path, after_budget):
+    """The drift holds the blend (tolerance 1e-12), the excess tolerance is loose: distilling after the budget, the fit
+    ends with the excess in the report and no warning about it; paused (distill_after_budget=False), nothing measures
+    it after the budget, so its line stops there and the report has no end figure."""
+    module = _trained_lm()
+    spec = TransitionSpec(steps=6, tolerance=1e-12, endpoint_fraction=0.0, excess_tolerance=100.0,
+                          distill_after_budget=after_budget)
+    with pytest.warns(LNLightningWarning) as caught:
+        _logged(tmp_path, spec, 10, module)
+    said = [str(w.message) for w in caught if w.category is LNLightningWarning]
+    assert any("spent its budget of 6 steps" in m for m in said), said
+    assert not any("the fit ends with the transition" in m for m in said), said
+    final = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
+    logged = csv_column(tmp_path / "logs", "ln_placement/loss_excess")
+    if after_budget:
+        assert len(logged) == 10 and final["loss_excess_at_end"] == pytest.approx(logged[-1], rel=1e-5)
+    else:
+        assert len(logged) == 6 and "loss_excess_at_end" not in final
+
+
 class _ShiftedLoss(LM):
     """From step 3 on, training_step's loss is 1 nat higher: a loss that rises for a reason the blend has no part in."""
 

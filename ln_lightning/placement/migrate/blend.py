@@ -249,13 +249,17 @@ class Transition(nn.Module):
         tensor, the same on every rank), and advance the blend by `rate` only while the smoothed drift is within
         `tolerance` (and `allow`, a 0-dim bool tensor, where given: another gate's verdict). It never goes back
         and ends at exactly 1."""
-        d = drift.detach().to(self.drift)
-        smoothed = torch.where(self.drift < 0, d, ema * self.drift + (1.0 - ema) * d)
-        self.drift.copy_(smoothed)
-        ok = smoothed <= tolerance
+        self.observe(drift, ema)
+        ok = self.drift <= tolerance
         if allow is not None:
             ok = ok & allow
         self.blend.copy_(torch.clamp(self.blend + rate * ok.to(self.blend), max=1.0))
+
+    @torch.no_grad()
+    def observe(self, drift: torch.Tensor, ema: float = 0.8) -> None:
+        """Smooth a measured drift as `gate` does, leaving the blend where it is (a spent budget holds it)."""
+        d = drift.detach().to(self.drift)
+        self.drift.copy_(torch.where(self.drift < 0, d, ema * self.drift + (1.0 - ema) * d))
 
     @contextlib.contextmanager
     def pinned(self, value: float):
