@@ -1,5 +1,8 @@
-"""Fused LayerNorm on the torch (CPU) backend: numerics, modules, swap. Both norms' modules as drop-ins
-(state_dict, fused add, swap after convert), parametrised over the kind: test_norm_modules.py.
+"""Fused LayerNorm on the torch (CPU) backend, what is LayerNorm's own: its compiled CPU kernels (exact constant
+rows, the weight gradient, the size threshold, other residual dtypes) and their build and cache, multi-dim shapes and
+CPU autocast, backend resolution, swap, docstrings. Both norms' numerics against float64 on every eager path,
+parametrised over the kind: test_norm_numerics.py; both norms' modules as drop-ins (state_dict, fused add, swap
+after convert): test_norm_modules.py.
 
 The Triton kernels are tested under the interpreter in tests/test_norm_triton.py; the ops' opcheck and
 torch.compile, for both norms, in tests/test_norm_compile.py.
@@ -7,7 +10,6 @@ torch.compile, for both norms, in tests/test_norm_compile.py.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -23,60 +25,20 @@ import pytest
 from ln_lightning import LNLightningWarning
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
 from torch import nn
 
-from _helpers_norm_cases import cases, compiled_cpu_kernels
-from ln_lightning.testing.norm import (
-    Case, assert_narrow_rows_accurate, assert_rows_independent, assert_within_torch_error, layer_norm_formula, rel_err,
-)
+from _helpers_norm_cases import compiled_cpu_kernels
+from _helpers_norm_paths import forced_path
+from ln_lightning.testing.norm import Case, assert_within_torch_error, layer_norm_formula, rel_err
 from ln_lightning.norm import (
     FusedAddLayerNorm,
     FusedLayerNorm,
     fused_add_layer_norm,
-    layer_norm,
     norm_backend,
     swap_layernorms,
     unswap_layernorms,
 )
 from ln_lightning.norm import _backend, _cpu_kernels, _extension, _torch_ops, functional
-
-
-# --------------------------------------------------------------------------- numerics
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=cases(max_rows=8, max_hidden=300))
-def test_matches_float64_within_twice_torch_error(case):
-    # Both eager paths of the torch backend: the composition used for small tensors and the
-    # custom autograd.Function used above functional.EAGER_COMPOSITE_BELOW elements.
-    for threshold in (0, 1 << 60):
-        functional.EAGER_COMPOSITE_BELOW = threshold
-        try:
-            assert_within_torch_error(case, backend="torch")
-        finally:
-            functional.EAGER_COMPOSITE_BELOW = 1 << 20
-
-
-@pytest.fixture(params=["function", "composite"])
-def eager_path(request, monkeypatch):
-    monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0 if request.param == "function" else 1 << 60)
-    return request.param
-
-
-@pytest.mark.parametrize("via_aten", [True, False], ids=["plain-via-aten", "plain-via-custom-op"])
-@pytest.mark.parametrize(
-    "case",
-    [
-        Case(1, 1, torch.float32, False, "full", 0.0, 1, False, 1),  # single element
-        Case(1, 257, torch.bfloat16, True, "no_bias", 1e4, 0, False, 2),  # single row, offset
-        Case(5, 33, torch.float16, False, "none", 0.0, 2, False, 3),  # constant rows, no affine
-        Case(4, 96, torch.bfloat16, False, "full", 1e4, 2, True, 4),  # fp32 residual from None
-        Case(3, 255, torch.bfloat16, True, "full", 0.0, 1, True, 5),
-    ],
-)
-def test_edge_cases(case, via_aten, eager_path, monkeypatch):
-    monkeypatch.setattr(functional, "PLAIN_LAYER_NORM_VIA_ATEN", via_aten)
-    assert_within_torch_error(case, backend="torch")
 
 
 # --------------------------------------------------------------------------- compiled CPU kernels
@@ -99,28 +61,12 @@ def aten_kernels():
         yield
 
 
-# Each eager torch-backend path, forced: aten's F.layer_norm itself for a plain norm ("shortcut"), the
-# composition `h = x + r; F.layer_norm(h)` ("composite"), the custom autograd.Function on aten's kernels
-# ("function" in float32, "aten-bf16" in bfloat16) and on the compiled CPU kernels ("compiled").
-PATHS = ["shortcut", "composite", "function", "aten-bf16", "compiled"]
-
-
 @pytest.fixture
-def torch_path(request, monkeypatch):
-    """Route eager torch-backend calls down the path ``request.param`` (one of PATHS): yields the path,
-    the dtype it runs in, and a list that grows by one per compiled-kernel call ("forward", "backward")."""
-    path, calls = request.param, []
-    if path != "shortcut":
-        monkeypatch.setattr(functional, "PLAIN_LAYER_NORM_VIA_ATEN", False)
-        monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 1 << 60 if path == "composite" else 0)
-    if path == "compiled":
-        compiled_cpu_kernels()
-        for name, tag in (("_compiled_forward", "forward"), ("_compiled_backward", "backward")):
-            real = getattr(_torch_ops, name)
-            monkeypatch.setattr(_torch_ops, name, lambda *a, _real=real, _tag=tag: calls.append(_tag) or _real(*a))
-    dtype = torch.bfloat16 if path in ("aten-bf16", "compiled") else torch.float32
-    with _cpu_kernels.KERNELS.disabled() if path == "aten-bf16" else contextlib.nullcontext():
-        yield path, dtype, calls
+def path(request, monkeypatch):
+    """The eager path ``request.param`` forced (tests/_helpers_norm_paths.py): yields its name and the
+    compiled-kernel calls it makes."""
+    with forced_path(request.param, monkeypatch) as calls:
+        yield request.param, calls
 
 
 def _leaves(*tensors):
@@ -152,39 +98,6 @@ def test_compiled_cpu_kernels_within_torch_error_and_exact_on_constant_rows(case
 def test_aten_fallback_within_torch_error(case, aten_kernels, monkeypatch):
     monkeypatch.setattr(functional, "EAGER_COMPOSITE_BELOW", 0)
     assert_within_torch_error(case, backend="torch")
-
-
-@pytest.mark.parametrize("kind", ["rms", "ln"])
-def test_the_narrow_rows_reference_is_their_derivative(kind):
-    # The closed form the width-1/width-2 tests compare against equals float64 autograd of the textbook formula
-    # wherever float64 autograd itself resolves 1 - x_hat**2 (magnitudes up to 10: to 1e-9).
-    from ln_lightning.testing.norm import NARROW_MAGNITUDES, narrow_rows, narrow_rows_reference
-
-    h, w, dy = narrow_rows(kind)
-    hh = h.clone().requires_grad_()
-    if kind == "rms":
-        y = hh * torch.rsqrt(hh.square().mean(-1, keepdim=True) + 1e-5) * w
-    else:
-        y = layer_norm_formula(hh, (2,), w, None, 1e-5)
-    (autograd,) = torch.autograd.grad(y, hh, dy)
-    closed = narrow_rows_reference(kind, h, w, dy, 1e-5)
-    rel = (autograd - closed).abs().amax(-1) / closed.abs().amax(-1)
-    small = torch.tensor([m <= 10 for m in NARROW_MAGNITUDES] * 2)
-    assert rel[small].max() < 1e-8, rel
-
-
-def test_compiled_cpu_kernels_width_two_backward_does_not_cancel(compiled_backward_calls):
-    # Width 2: g - mean(g) lies along x_hat, and dx = eps * rstd**3 * (g - mean(g)), which the textbook form
-    # loses to cancellation (issue 23; aten's own kernel does, being torch). A float32 stream (bfloat16 x plus a
-    # float32 residual) keeps the kernel's float32 result: every row within its own rounding.
-    def grad(h, w, dy):
-        r = h.float().clone().requires_grad_()
-        x = torch.zeros_like(h, dtype=torch.bfloat16)
-        y, _, _, _ = _torch_ops.add_layer_norm_eager(x, r, w, None, 1e-5, False, False)
-        return torch.autograd.grad(y, r, dy.bfloat16())[0]
-
-    assert_narrow_rows_accurate("ln", grad, torch.float32, rel_tol=1e-5)
-    assert compiled_backward_calls
 
 
 def test_compiled_cpu_kernels_weight_gradient_is_float32_accurate(monkeypatch):
@@ -243,7 +156,8 @@ def test_fused_layernorm_bf16_cpu_large_uses_compiled_kernels_small_is_exactly_a
 
 @pytest.mark.parametrize("residual_dtype", [torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("residual_in_fp32", [False, True])
-def test_bf16_input_with_other_residual_dtypes(residual_dtype, residual_in_fp32, eager_path):
+@pytest.mark.parametrize("path", ["compiled", "composite"], indirect=True)
+def test_bf16_input_with_other_residual_dtypes(residual_dtype, residual_in_fp32, path):
     # Forward and backward must pick the same kernel (their mean/rstd differ in meaning); the
     # stream has the promoted dtype (float32 with residual_in_fp32) and the result is the float64
     # formula's to bfloat16 precision. The offset makes mismatched statistics show.
@@ -349,49 +263,14 @@ def test_cpu_kernels_switched_off_for_a_block_and_back():
     assert _cpu_kernels.KERNELS.module() is mod and _cpu_kernels.KERNELS.failure is None
 
 
-@pytest.mark.parametrize("via_aten", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_are_independent(dtype, via_aten, eager_path, monkeypatch):
-    monkeypatch.setattr(functional, "PLAIN_LAYER_NORM_VIA_ATEN", via_aten)
-    assert_rows_independent("torch", dtype)
-    # and the plain (residual=None) path
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(5, 19, generator=g).to(dtype)
-    x2 = x.clone()
-    x2[1:] = 1e3 * torch.randn(4, 19, generator=g).to(dtype)
-    ln = FusedLayerNorm(19, dtype=dtype)
-    assert torch.equal(ln(x)[0], ln(x2)[0])
-
-
-@pytest.mark.parametrize("torch_path", PATHS, indirect=True)
-def test_fused_add_matches_the_float64_formula(torch_path):
-    # Outputs and every gradient, with the downstream gradient of the new residual adding into the
-    # LayerNorm's input gradient, against layer_norm_formula in float64 (autograd through elementary ops).
-    path, dtype, calls = torch_path
-    g = torch.Generator().manual_seed(0)
-    x, r, gy, gh = (torch.randn(2, 7, 48, generator=g).to(dtype) for _ in range(4))
-    w, b = (1 + 0.5 * torch.randn(48, generator=g)).to(dtype), torch.randn(48, generator=g).to(dtype)
-    leaves = _leaves(x, r, w, b)
-    y, h = fused_add_layer_norm(*leaves, 1e-5, backend="torch")
-    got = (y, h, *torch.autograd.grad([y, h], leaves, [gy, gh]))
-    ref = _leaves(*(t.double() for t in (x, r, w, b)))
-    h64 = ref[0] + ref[1]
-    y64 = layer_norm_formula(h64, (48,), ref[2], ref[3], 1e-5)
-    want = (y64, h64, *torch.autograd.grad([y64, h64], ref, [gy.double(), gh.double()]))
-    for name, a, e in zip(("y", "h", "dx", "dresidual", "dweight", "dbias"), got, want):
-        assert a.dtype == dtype, name
-        assert rel_err(a, e) < _tol(dtype), (name, rel_err(a, e))
-    assert calls == (["forward", "backward"] if path == "compiled" else [])
-    # Only the residual is used downstream: the LayerNorm contributes nothing, exactly.
-    leaves = _leaves(x, r, w, b)
-    y, h = fused_add_layer_norm(*leaves, 1e-5, backend="torch")
-    dx, dw = torch.autograd.grad([h], [leaves[0], leaves[2]], [gh], allow_unused=True)
-    assert torch.equal(dx, gh) and (dw is None or not dw.any())
-
-
-@pytest.mark.parametrize("torch_path", PATHS, indirect=True)
-def test_multi_dim_normalized_shape(torch_path):
-    _, dtype, calls = torch_path
+# aten's F.layer_norm itself for the plain module, the composition, the autograd.Function on aten's kernels (in float32
+# with the compiled ones on, which run bfloat16 only; in bfloat16 with them off) and on the compiled kernels.
+@pytest.mark.parametrize("path, dtype", [
+    ("shortcut", torch.float32), ("composite", torch.float32), ("compiled", torch.float32), ("aten", torch.bfloat16),
+    ("compiled", torch.bfloat16),
+], indirect=["path"])
+def test_multi_dim_normalized_shape(path, dtype):
+    _, calls = path
     g = torch.Generator().manual_seed(1)
     ref = nn.LayerNorm((4, 6))
     nn.init.normal_(ref.weight, generator=g)
@@ -432,8 +311,8 @@ def test_from_layernorm_shares_parameters_and_hooks():
         FusedLayerNorm.from_layernorm(nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("torch_path", ["shortcut", "function"], indirect=True)
-def test_cpu_autocast_keeps_nn_layernorms_dtypes(torch_path):
+@pytest.mark.parametrize("path", ["shortcut", "compiled"], indirect=True)
+def test_cpu_autocast_keeps_nn_layernorms_dtypes(path):
     # CPU autocast leaves layer_norm alone (unlike CUDA's, which runs it in float32): nn.LayerNorm's
     # dtypes under it are the reference; the values are checked against the float64 formula.
     g = torch.Generator().manual_seed(2)
@@ -454,21 +333,6 @@ def test_cpu_autocast_keeps_nn_layernorms_dtypes(torch_path):
 
 # --------------------------------------------------------------------------- errors and backends
 
-def test_bad_inputs_get_clear_errors():
-    w = torch.ones(8)
-    with pytest.raises(ValueError, match="residual shape"):
-        fused_add_layer_norm(torch.randn(2, 8), torch.randn(1, 8), w, None)
-    with pytest.raises(TypeError, match="floating-point"):
-        fused_add_layer_norm(torch.ones(2, 8, dtype=torch.long), None, None, None)
-    with pytest.raises(ValueError, match="normalized_shape"):
-        fused_add_layer_norm(torch.randn(2, 7), None, w, None)
-    with pytest.raises(ValueError, match="unknown LayerNorm backend"):
-        fused_add_layer_norm(torch.randn(2, 8), None, w, None, backend="cuda")
-    with pytest.raises(ValueError, match="unknown LayerNorm backend"):
-        with norm_backend("fast"):
-            pass
-
-
 @pytest.mark.skipif(_backend.TRITON_INTERPRET, reason="the interpreter makes triton usable on CPU")
 def test_forced_triton_on_cpu_raises_instead_of_falling_back():
     with pytest.raises(RuntimeError, match="backend 'triton' was requested but cannot run"):
@@ -488,6 +352,9 @@ def test_backend_resolution():
     with norm_backend("torch"):
         assert _backend.requested_backend() == "torch"
     assert _backend.resolve_backend(x.double(), "auto") == "torch"
+    with pytest.raises(ValueError, match="unknown LayerNorm backend"):
+        with norm_backend("fast"):
+            pass
 
 
 @pytest.mark.slow
@@ -528,14 +395,6 @@ def test_import_needs_neither_triton_nor_cuda():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
-
-
-@pytest.mark.parametrize("torch_path", ["shortcut", "composite", "function"], indirect=True)
-def test_functional_layer_norm_matches_the_formula(torch_path):
-    x = torch.randn(3, 4, 10, dtype=torch.float64)
-    w, b = torch.randn(4, 10, dtype=torch.float64), torch.randn(4, 10, dtype=torch.float64)
-    torch.testing.assert_close(layer_norm(x, (4, 10), w, b, 1e-3), layer_norm_formula(x, (4, 10), w, b, 1e-3))
-    torch.testing.assert_close(layer_norm(x, 10), layer_norm_formula(x, (10,)))
 
 
 # --------------------------------------------------------------------------- swap

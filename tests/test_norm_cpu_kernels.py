@@ -1,5 +1,5 @@
 """The compiled CPU kernels of both norms (one source, csrc/add_norm_cpu.cpp): what holds for each kind alike,
-parametrised over LayerNorm and RMSNorm. Numerics against float64: test_norm.py and test_norm_rms.py."""
+parametrised over LayerNorm and RMSNorm. Numerics against float64: test_norm_numerics.py."""
 
 from __future__ import annotations
 

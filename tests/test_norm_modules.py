@@ -1,6 +1,6 @@
 """Both norms' modules, parametrised over the kind (LayerNorm, RMSNorm): drop-in for the torch class
 (signature, state_dict both ways, results against float64), the fused-add module, and a swap after
-`convert` keeping the conversion. Numerics of each backend path: test_norm.py, test_norm_rms.py."""
+`convert` keeping the conversion. Numerics of each backend path: test_norm_numerics.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
-"""swap_layernorms on Hugging Face RMSNorm models from tiny configs (never from_pretrained).
+"""swap_layernorms on RMSNorms: torch's nn.RMSNorm family, and Hugging Face RMSNorm models from tiny configs (never
+from_pretrained).
 
-For each of LlamaModel, Qwen2Model, MistralModel, Gemma2Model, Olmo2Model and T5Model: every
+nn.RMSNorm and its subclasses: those that still compute an RMSNorm are swapped, one that computes something else
+and a module only named like a norm are skipped with the reason; the report reverts and the swapped model pickles.
+
+Hugging Face: for each of LlamaModel, Qwen2Model, MistralModel, Gemma2Model, Olmo2Model and T5Model: every
 RMSNorm is swapped, the swapped float32 model's output is within 2x the original's float32 error
 (both measured against a float64 copy whose norms compute the textbook formula, written here
 independently of ln_lightning), the state_dict is unchanged, and revert restores bitwise the
@@ -11,15 +15,80 @@ module on almost every element; a wrong order differs on a large fraction).
 from __future__ import annotations
 
 import copy
+import pickle
 import types
 
 import pytest
 import torch
 from torch import nn
 
-from ln_lightning.norm import swap_layernorms, unswap_layernorms
+from ln_lightning.norm import FusedRMSNorm, functional, swap_layernorms, unswap_layernorms
 
-transformers = pytest.importorskip("transformers")
+
+@pytest.fixture
+def fused_op_on_tiny_tensors(monkeypatch):
+    # The swapped norms run the fused op even on these tiny tensors (the composition used under
+    # functional.RMS_EAGER_COMPOSITE_BELOW is covered in test_norm_numerics.py).
+    monkeypatch.setattr(functional, "RMS_EAGER_COMPOSITE_BELOW", 0)
+
+
+class _RMSKeepsInit(nn.RMSNorm):
+    def __init__(self, d):
+        super().__init__(d, eps=1e-6)
+
+
+class _RMSUpcasts(nn.RMSNorm):  # still an RMSNorm: recognised by the probe, swapped
+    def forward(self, x):
+        return super().forward(x.float()).type_as(x)
+
+
+class _RMSClamps(nn.RMSNorm):  # computes something else: skipped, with the reason
+    def forward(self, x):
+        return super().forward(x).clamp(-0.5, 0.5)
+
+
+def test_swap_nn_rmsnorm_family_report_revert_and_pickle(fused_op_on_tiny_tensors):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.RMSNorm(8), _RMSKeepsInit(8), _RMSUpcasts(8), _RMSClamps(8), nn.LayerNorm(8))
+    for m in model:
+        nn.init.normal_(m.weight)
+    x = torch.randn(5, 8)
+    before = model(x)
+    state = copy.deepcopy(model.state_dict())
+    report = swap_layernorms(model)
+    assert report.swapped == ["0", "1", "2", "4"]
+    assert [s.path for s in report.skipped] == ["3"] and "overrides forward()" in report.skipped[0].reason
+    assert type(model[0]) is FusedRMSNorm and isinstance(model[1], _RMSKeepsInit) and isinstance(model[2], _RMSUpcasts)
+    torch.testing.assert_close(model(x), before, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    clone = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
+    report.revert()
+    assert [type(m) for m in model] == [nn.RMSNorm, _RMSKeepsInit, _RMSUpcasts, _RMSClamps, nn.LayerNorm]
+    assert torch.equal(model(x), before)
+
+
+def test_swap_reports_modules_named_like_norms_that_it_does_not_recognise(fused_op_on_tiny_tensors):
+    class OddRMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x * self.weight
+
+    model = nn.Sequential(OddRMSNorm(), nn.RMSNorm(8))
+    report = swap_layernorms(model)
+    assert report.swapped == ["1"]
+    assert [s.path for s in report.skipped] == ["0"] and "matches neither LayerNorm nor RMSNorm" in report.skipped[0].reason
+
+
+# --------------------------------------------------------------------------- Hugging Face models
+
+
+def _transformers():
+    return pytest.importorskip("transformers")  # the Hugging Face tests only: the nn.RMSNorm family needs none
 
 # class name -> (eps attribute, weight offset): read from the HF sources, not from ln_lightning
 NORM_CLASSES = {
@@ -32,7 +101,7 @@ _COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_l
 
 
 def _build(name: str) -> nn.Module:
-    T = transformers
+    T = _transformers()
     cfg = {
         "llama": lambda: T.LlamaModel(T.LlamaConfig(**_COMMON)),
         "qwen2": lambda: T.Qwen2Model(T.Qwen2Config(**_COMMON)),
@@ -71,7 +140,7 @@ def _reference64(model: nn.Module) -> nn.Module:
 
 
 def _out(model, ids):
-    kw = {"decoder_input_ids": ids} if isinstance(model, transformers.T5Model) else {}
+    kw = {"decoder_input_ids": ids} if isinstance(model, _transformers().T5Model) else {}
     with torch.no_grad():
         return model(input_ids=ids, **kw).last_hidden_state
 
@@ -110,8 +179,6 @@ def test_swap_keeps_output_within_twice_float32_rounding_and_swaps_every_rmsnorm
 @pytest.mark.parametrize("path", ["kernel", "composite"])
 @pytest.mark.parametrize("name", MODELS)
 def test_bf16_fused_norms_keep_each_class_cast_order(name, path, monkeypatch):
-    from ln_lightning.norm import functional
-
     # these tensors are small: force the fused op (the compiled CPU kernel) or the composition
     monkeypatch.setattr(functional, "RMS_EAGER_COMPOSITE_BELOW", 0 if path == "kernel" else 1 << 60)
     model = _build(name)

@@ -183,7 +183,8 @@ def test_rms_each_row_within_torch_error_at_width_two_with_unit_offset():
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("width", [1, 3, 5, 8, 64, 255])
 def test_rms_each_row_within_torch_error_at_every_width(width, offset):
-    # As test_norm_rms.py's sweep (the interpreter takes ~6 s a width): before issue 32, 1.0-1.2x at 3 to 255.
+    # As test_norm_numerics.py's per-row check over widths (the interpreter takes ~6 s a width): before issue 32,
+    # 1.0-1.2x at 3 to 255.
     _rms_each_row_within_torch_error(width, offset)
 
 
