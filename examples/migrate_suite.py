@@ -83,7 +83,8 @@ HALF_EXCESS_ARM = "closed_S0.6_t0.05_lp_x0.01_kd"
 
 # Left out of --quick (CI's run of this script; issue 32): arms whose mechanism another arm runs with other numbers.
 # closed_S0.33_* and closed_S0.6_t0.02 / t0.03 are closed_S0.6_t0.05's closed loop at another budget or tolerance;
-# closed_S0.6_t0.05_L0.03 is closed_S0.6_t0.05_L0.02's loss gate at another tolerance. --arms runs them in --quick too.
+# closed_S0.6_t0.05_L0.03 is closed_S0.6_t0.05_L0.02's loss gate at another tolerance; HALF_EXCESS_ARM is
+# closed_S0.6_t0.05_lp_x0.02_kd at another excess tolerance. --arms runs them in --quick too.
 QUICK_REPEATS = ("closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "closed_S0.6_t0.03", "closed_S0.6_t0.05_L0.03",
                  HALF_EXCESS_ARM)
 

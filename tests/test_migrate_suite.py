@@ -25,7 +25,8 @@ ARMS = {"unchanged", "hard", "default", "default_long", "closed_S0.6_t0.05", "ca
         "calibpath_S0.6_t0.05", "closed_S0.6_t0.03_k2", "closed_S0.6_t0.05_L0.02", "closed_S0.6_t0.05_lp",
         "closed_S0.6_t0.05_lp_e0", "closed_S0.6_t0.05_lp_x0.02", "closed_S0.6_t0.05_lp_x0.02_kd"}
 # ... and leaves out those that run one of them with other numbers (a budget, a tolerance)
-REPEATS = {"closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "closed_S0.6_t0.03", "closed_S0.6_t0.05_L0.03"}
+REPEATS = {"closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "closed_S0.6_t0.03", "closed_S0.6_t0.05_L0.03",
+           "closed_S0.6_t0.05_lp_x0.01_kd"}
 TUNED = ("closed_", "calib")  # arms tuned on the tuning half: on the held-out half only the one picked there runs
 
 
