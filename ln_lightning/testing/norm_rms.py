@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ln_lightning.norm import fused_add_rms_norm
-from ln_lightning.testing.norm import ABS_SLACK, Case, run_with_grads, separate_stream, slack
+from ln_lightning.testing.norm import Case, row_shares, run_with_grads, separate_stream, slack
 
 EPS = 1e-5
 
@@ -154,10 +154,7 @@ def assert_each_row_within_torch_error(grad, width: int, offset: float, dtype: t
     ours = grad(h, w, offset, dy).double()
     theirs = textbook(h.float() if dtype != torch.float64 else h, w, torch.float32)
     ref = textbook(h.double(), w.double(), torch.float64)
-    scale = ref.abs().amax(-1)
-    allowed = 2 * (theirs - ref).abs().amax(-1) + torch.maximum(ABS_SLACK * scale.clamp(min=1.0),
-                                                                  torch.finfo(dtype).eps * scale)
-    share = (ours - ref).abs().amax(-1) / allowed
+    share = row_shares(ours, theirs, ref, dtype)
     worst = int(share.argmax())
     assert share[worst] <= 1, (f"width {width}, offset {offset}: {int((share > 1).sum())} of {len(share)} rows beyond "
                                f"2 x torch's error, worst {share[worst].item():.2f}x its bound (h = {h[worst].tolist()})")

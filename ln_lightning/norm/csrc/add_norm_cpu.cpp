@@ -5,9 +5,10 @@
 // bfloat16 CPU LayerNorm rounds mean/rstd to the input dtype and loses most of the weight gradient's precision;
 // aten has no fused add + RMSNorm, and eager RMSNorm (HF's LlamaRMSNorm, or F.rms_norm) is five to eight
 // elementwise passes each way; and the residual add is one more pass. Here each row is read once per direction:
-// the forward writes h = x + residual and y = norm(h) in one pass over the inputs; the backward writes
-// dh = dnorm + dresidual in one pass, with the weight (and bias) gradients accumulated in float32 per fixed block
-// of rows and summed in block order (deterministic, independent of the thread count). Statistics are float32.
+// the forward writes h = x + residual and y = norm(h) in one pass over the inputs; the backward takes its row sums,
+// then writes dh = dnorm + dresidual in one pass, with the weight (and bias) gradients accumulated in float32 per
+// fixed block of rows and summed in block order (deterministic, independent of the thread count). The forward's
+// statistics are float32.
 //
 // LayerNorm (RMS = false): statistics of (h - h[0]) per row, so that a constant row normalises to exact zeros and
 // large offsets do not cancel; y = x_hat * w + b. RMSNorm (RMS = true): rstd = 1 / sqrt(mean(h^2) + eps) and
@@ -26,6 +27,20 @@
 // and more so with Gemma's 1 + w, which makes g larger against the result: issue 32, 1.2-1.9x our 2x-torch bound
 // on single rows), so q n is taken as (sum(g h) / sum(h h)) h, rstd cancelling, with the two row sums in double
 // and g - q h as fused multiply-adds by q split into two floats.
+// LayerNorm's perpendicular part g - mean(g) - q x_hat cancels the same way when g lies near span{1, x_hat}: near
+// x_hat, or near x_hat plus a constant, which makes mean(g) large against it; a constant row's rstd = 1/sqrt(eps)
+// ~ 316 magnifies what it loses (issue 32: float sums and float g - a - q x_hat reached 5-6.7x the bound on single
+// rows at width 2, 1.05-2x elsewhere; and a width-1 row, whose exact derivative is 0, came out as rounding noise
+// times 316). So the backward takes four row sums in double, of v = h - h[0] (the forward's centring: exact for a
+// bfloat16 stream) and g = dy * w (exact in double): g's projection onto span{1, v} = span{1, x_hat} is
+// alpha + beta v, with beta (v - mean(v)) = q x_hat, and the two parts fold into two constants,
+// dh = rstd * (g - alpha' - beta' v), alpha' = alpha + t beta mean(v), beta' = (1 - t) beta. In floats, alpha' and
+// beta' are float pairs, g - alpha'_hi one fused multiply-add (dy * w exact inside it, whatever else the compiler
+// fuses) and beta' v off that by two more: a constant row (beta = 0) gets g - mean(g) to about one rounding of the
+// result, a width-1 row exactly 0, other rows lose at most half a unit of beta v, as torch does rounding g itself.
+// Width 2 keeps its branch, dh = rstd * t * (g - mean(g)) in double. The weight and bias gradients are summed in
+// the same last pass, from x_hat as the forward computed it. The sums run as double vectors and the last pass in
+// float ones: the backward takes about the time it took with float sums (benchmarks/bench_norm.py).
 //
 // Layout contract (checked on the Python side, _cpu_kernels.usable_forward/usable_backward and their rms_
 // twins): 2-D contiguous (rows, n) tensors, n >= 1; x and dy bfloat16 (LayerNorm) or float32/bfloat16 (RMSNorm),
@@ -41,6 +56,9 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -81,6 +99,26 @@ inline A fold_tree(const A* acc) {
   for (int64_t w = kLanes / 4; w >= 1; w /= 2)
     for (int64_t l = 0; l < w; ++l) t[l] += t[l + w];
   return t[0];
+}
+
+// Four doubles as one vector (GCC/Clang vector extension; plain SSE pairs where AVX is not enabled): the LayerNorm
+// backward's row sums in double.
+typedef double D4 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+inline D4 widen(const float* p) {
+#ifdef __AVX__
+  return _mm256_cvtps_pd(_mm_loadu_ps(p));  // GCC 12 lowers the generic conversion below to halves
+#else
+  F4 f;
+  std::memcpy(&f, p, sizeof f);
+  return __builtin_convertvector(f, D4);
+#endif
+}
+inline D4 load4(const double* p) { D4 d; std::memcpy(&d, p, sizeof d); return d; }
+// The sum of 8 lanes (a: lanes 0-3, b: 4-7) in fold_tree's order.
+inline double fold8(D4 a, D4 b) {
+  const D4 t = a + b;
+  return (t[0] + t[2]) + (t[1] + t[3]);
 }
 
 // Below this many elements per thread, waking the pool costs more than the work (milliseconds when other
@@ -169,41 +207,91 @@ void forward_rows(const T* __restrict__ x, const R* __restrict__ res, H* __restr
   });
 }
 
-// One row's input gradient (and its share of the weight/bias gradients): LayerNorm.
+// The LayerNorm backward's last pass over a row: dh = rs * (g - a - b v) with g = dy * w and v = h - shift, a and b
+// each a float pair (see backward_row_ln); and the row's share of the weight and bias gradients, which see x_hat as
+// the forward computed it. Each combination of what is asked for is compiled on its own (template flags), its
+// pointers restrict and its constants by value, so that the loop vectorises.
+struct LnRow { float shift, m, rs, a_hi, a_lo, b_hi, b_lo; };
+
+template <bool DR, bool DH, bool DW, bool DB, typename T, typename H>
+void ln_last_pass(const T* __restrict__ dyr, const H* __restrict__ hr, const H* __restrict__ drr, H* __restrict__ dhr,
+                  const float* __restrict__ w, float* __restrict__ dwp, float* __restrict__ dbp, const LnRow c,
+                  int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = ld(hr, j) - c.shift, d = ld(dyr, j);
+    if constexpr (DH) {
+      // g - a_hi by a fused multiply-add (dy * w exact in it), then the rest.
+      const float dn = c.rs * std::fma(-c.b_lo, v, std::fma(-c.b_hi, v, std::fma(d, w[j], -c.a_hi) - c.a_lo));
+      if constexpr (DR) st(dhr, j, dn + ld(drr, j));
+      else st(dhr, j, dn);
+    }
+    if constexpr (DW) dwp[j] += d * ((v - c.m) * c.rs);
+    if constexpr (DB) dbp[j] += d;
+  }
+}
+
+template <bool DH, typename T, typename H>
+void ln_last_pass(const T* dyr, const H* hr, const H* drr, H* dhr, const float* w, float* dwp, float* dbp,
+                  const LnRow c, int64_t n) {
+  if (dwp && dbp) {
+    if (drr) ln_last_pass<true, DH, true, true>(dyr, hr, drr, dhr, w, dwp, dbp, c, n);
+    else ln_last_pass<false, DH, true, true>(dyr, hr, drr, dhr, w, dwp, dbp, c, n);
+  } else if (dwp) {
+    if (drr) ln_last_pass<true, DH, true, false>(dyr, hr, drr, dhr, w, dwp, dbp, c, n);
+    else ln_last_pass<false, DH, true, false>(dyr, hr, drr, dhr, w, dwp, dbp, c, n);
+  } else if (dbp) {
+    if (drr) ln_last_pass<true, DH, false, true>(dyr, hr, drr, dhr, w, dwp, dbp, c, n);
+    else ln_last_pass<false, DH, false, true>(dyr, hr, drr, dhr, w, dwp, dbp, c, n);
+  } else {
+    if (drr) ln_last_pass<true, DH, false, false>(dyr, hr, drr, dhr, w, dwp, dbp, c, n);
+    else ln_last_pass<false, DH, false, false>(dyr, hr, drr, dhr, w, dwp, dbp, c, n);
+  }
+}
+
+// One row's input gradient and its share of the weight/bias gradients: LayerNorm. w is the weight (or ones), wd the
+// same in double.
 template <typename T, typename H>
 inline void backward_row_ln(const T* __restrict__ dyr, const H* __restrict__ hr, const H* __restrict__ drr,
-                            H* __restrict__ dhr, const float* __restrict__ w, float m, float rs, float* __restrict__ xh,
-                            float* __restrict__ dwp, float* __restrict__ dbp, int64_t n, float eps) {
-  const int64_t nv = n - n % kLanes;
+                            H* __restrict__ dhr, const float* __restrict__ w, const double* __restrict__ wd, float m,
+                            float rs, float* __restrict__ dwp, float* __restrict__ dbp, int64_t n, float eps) {
   const float shift = ld(hr, 0);
-  auto gv = [&](int64_t j) { return w ? ld(dyr, j) * w[j] : ld(dyr, j); };
-  float acc_a[kLanes] = {0}, acc_c[kLanes] = {0}, acc_x[kLanes] = {0};
-  for (int64_t j0 = 0; j0 < nv; j0 += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const int64_t j = j0 + l;
-      const float xv = ((ld(hr, j) - shift) - m) * rs, g = gv(j);
-      xh[j] = xv;
-      acc_a[l] += g;
-      acc_c[l] += g * xv;
-      acc_x[l] += xv * xv;
-    }
+  // v = h - h[0] (exact for a bfloat16 stream) and g = dy * w (exact in double): sum(g), sum(g v), sum(v), sum(v v),
+  // each in 8 lanes, two double vectors (written out: as arrays of lanes, GCC vectorised them in some instances of
+  // this template and kept others scalar).
+  const int64_t nv = n - n % 8;
+  D4 g0 = {0, 0, 0, 0}, g1 = g0, gv0 = g0, gv1 = g0, v0 = g0, v1 = g0, vv0 = g0, vv1 = g0;
+  for (int64_t j0 = 0; j0 < nv; j0 += 8) {
+    float vf[8], df[8];
+    for (int64_t l = 0; l < 8; ++l) { vf[l] = ld(hr, j0 + l) - shift; df[l] = ld(dyr, j0 + l); }
+    const D4 va = widen(vf), vb = widen(vf + 4), ga = widen(df) * load4(wd + j0), gb = widen(df + 4) * load4(wd + j0 + 4);
+    g0 += ga; g1 += gb; gv0 += ga * va; gv1 += gb * vb; v0 += va; v1 += vb; vv0 += va * va; vv1 += vb * vb;
+  }
+  double tail_g = 0., tail_gv = 0., tail_v = 0., tail_vv = 0.;
   for (int64_t j = nv; j < n; ++j) {
-    const float xv = ((ld(hr, j) - shift) - m) * rs, g = gv(j);
-    xh[j] = xv; acc_a[0] += g; acc_c[0] += g * xv; acc_x[0] += xv * xv;
+    const double v = ld(hr, j) - shift, g = ld(dyr, j) * wd[j];
+    tail_g += g; tail_gv += g * v; tail_v += v; tail_vv += v * v;
   }
-  // dh = rs * ((g - a - q x_hat) + t q x_hat): see the header. A constant row has q = 0.
-  const float sxx = fold_tree(acc_x);
-  const float a = fold_tree(acc_a) / n, q = sxx > 0.f ? fold_tree(acc_c) / sxx : 0.f, t = eps * rs * rs, tq = t * q;
-  if (n == 2) {  // g - a is all along x_hat (or, for a constant row, t = 1)
-    const float rt = rs * t;
-    for (int64_t j = 0; j < 2; ++j) st(dhr, j, drr ? rt * (gv(j) - a) + ld(drr, j) : rt * (gv(j) - a));
-  } else if (drr) {
-    for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * ((gv(j) - a - q * xh[j]) + tq * xh[j]) + ld(drr, j));
-  } else {
-    for (int64_t j = 0; j < n; ++j) st(dhr, j, rs * ((gv(j) - a - q * xh[j]) + tq * xh[j]));
+  // g's projection onto span{1, v} is alpha + beta v, with beta (v - mean(v)) = q x_hat. A constant row has beta = 0.
+  const double inv_n = 1. / n, sg = fold8(g0, g1) + tail_g, sv = fold8(v0, v1) + tail_v, mv = sv * inv_n;
+  const double scc = (fold8(vv0, vv1) + tail_vv) - sv * mv;  // sum((v - mean(v))^2)
+  const double beta = scc > 0. ? ((fold8(gv0, gv1) + tail_gv) - sg * mv) / scc : 0.;
+  const double alpha = sg * inv_n - beta * mv;
+  const double t = static_cast<double>(eps) * rs * rs;  // = 1 - mean(x_hat^2)
+  if (n == 2) {  // g - mean(g) = +-(g[0] - g[1]) / 2 is all along x_hat (or, for a constant row, t = 1)
+    const double half = 0.5 * (ld(dyr, 0) * wd[0] - ld(dyr, 1) * wd[1]) * (t * rs);
+    for (int64_t j = 0; j < 2; ++j) {
+      const float dn = static_cast<float>(j ? -half : half);
+      st(dhr, j, drr ? dn + ld(drr, j) : dn);
+    }
+    ln_last_pass<false>(dyr, hr, drr, dhr, w, dwp, dbp, LnRow{shift, m, rs, 0.f, 0.f, 0.f, 0.f}, n);
+    return;
   }
-  if (dwp) for (int64_t j = 0; j < n; ++j) dwp[j] += ld(dyr, j) * xh[j];
-  if (dbp) for (int64_t j = 0; j < n; ++j) dbp[j] += ld(dyr, j);
+  // dh = rs * ((g - alpha - beta v) + t beta (v - mean(v))) = rs * (g - alpha' - beta' v), alpha' = alpha +
+  // t beta mean(v), beta' = (1 - t) beta: see the header. alpha' and beta' as float pairs.
+  const double alpha1 = alpha + t * beta * mv, beta1 = beta - t * beta;
+  const float a_hi = static_cast<float>(alpha1), b_hi = static_cast<float>(beta1);
+  const LnRow c{shift, m, rs, a_hi, static_cast<float>(alpha1 - a_hi), b_hi, static_cast<float>(beta1 - b_hi)};
+  ln_last_pass<true>(dyr, hr, drr, dhr, w, dwp, dbp, c, n);
 }
 
 // One row's input gradient (and its share of the weight gradient): RMSNorm. weff = offset + w.
@@ -260,10 +348,13 @@ void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* _
   // the threads, fix the summation order.
   const int64_t grain = RMS ? std::max<int64_t>(1, blocks * kSerialElems / std::max<int64_t>(1, rows * n)) : 1;
   at::parallel_for(0, blocks, grain, [&](int64_t bbegin, int64_t bend) {
-    std::vector<float> buf(RMS ? 2 * n : n);
-    float* __restrict__ xh = buf.data();
+    std::vector<float> buf(2 * n);
+    std::vector<double> wbuf(RMS ? 0 : n);
+    float* __restrict__ xh = buf.data();  // RMSNorm's
     float* __restrict__ weff = xh + n;  // g = dy * weff is recomputed where it is used: cheaper than storing it
+    double* __restrict__ wd = wbuf.data();  // LayerNorm: weff = w (or ones), wd the same in double
     if (RMS) for (int64_t j = 0; j < n; ++j) weff[j] = p.offset + (p.w ? p.w[j] : 1.f - p.offset);
+    else for (int64_t j = 0; j < n; ++j) wd[j] = weff[j] = p.w ? p.w[j] : 1.f;
     for (int64_t blk = bbegin; blk < bend; ++blk) {
       const int64_t r0 = rows * blk / blocks, r1 = rows * (blk + 1) / blocks;
       float* __restrict__ dwp = dw_part ? dw_part + blk * n : nullptr;
@@ -274,7 +365,7 @@ void backward_rows(const T* __restrict__ dy, const H* __restrict__ h, const H* _
         const H* drr = dres ? dres + r * n : nullptr;
         H* dhr = dh + r * n;
         if constexpr (RMS) backward_row_rms<T, H>(dyr, hr, drr, dhr, weff, p.round_normed, rstd[r], xh, dwp, n, eps);
-        else backward_row_ln<T, H>(dyr, hr, drr, dhr, p.w, mean[r], rstd[r], xh, dwp, dbp, n, eps);
+        else backward_row_ln<T, H>(dyr, hr, drr, dhr, weff, wd, mean[r], rstd[r], dwp, dbp, n, eps);
       }
     }
   });
