@@ -13,7 +13,8 @@ the script
   2. trains with `Trainer(plugins=[LNPlacement("pre")], callbacks=[StreamNormMonitor(),
      LayerNormInputMonitor(), ClipAttributionMonitor()], gradient_clip_val=1.0)` on the embedded corpus;
   3. saves the checkpoint and computes the trained model's logits on a fixed probe batch;
-  4. in a FRESH Python process loads the checkpoint for inference with the one-liner
+  4. in a FRESH Python process (one for both models, after both trained) loads the checkpoint for inference with
+     the one-liner
      `model = ln_lightning.load_converted(ModelClass, "path.ckpt")` and computes the same logits;
   5. compares them (max abs difference), and the loss before/after training.
 
@@ -198,15 +199,22 @@ def train(kind: str, steps: int, out: Path, tb: Path) -> dict:
     }
 
 
-def infer_in_fresh_process(kind: str, out: Path) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--infer", kind, "--out", str(out.parent)]
+def infer_in_fresh_process(kinds: list[str], out: Path) -> dict[str, dict]:
+    """One fresh process loads each model's checkpoint in turn (a process start costs more than the models' work)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--infer", ",".join(kinds), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE)
     if proc.returncode != 0:
         raise RuntimeError(f"inference in a fresh process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    fresh = torch.load(out / "fresh_logits.pt")
-    mine = torch.load(out / "probe.pt")
-    return {"max_abs_diff": (fresh - mine["logits"]).abs().max().item(), "logit_scale": mine["logits"].abs().max().item(),
-            "fresh_stdout": proc.stdout.strip(), **json.loads((out / "fresh_info.json").read_text())}
+    lines = proc.stdout.strip().splitlines()
+    results = {}
+    for kind in kinds:
+        fresh = torch.load(out / kind / "fresh_logits.pt")
+        mine = torch.load(out / kind / "probe.pt")
+        said = [line for line in lines if f" loaded {MODELS[kind][0].__name__} " in line]
+        results[kind] = {"max_abs_diff": (fresh - mine["logits"]).abs().max().item(),
+                         "logit_scale": mine["logits"].abs().max().item(),
+                         "fresh_stdout": "\n".join(said), **json.loads((out / kind / "fresh_info.json").read_text())}
+    return results
 
 
 def infer_main(kind: str, out: Path) -> int:
@@ -281,12 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*is deprecated.*")
     if args.infer:
-        return infer_main(args.infer, out / args.infer)
+        return max(infer_main(kind, out / kind) for kind in args.infer.split(","))
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     steps = args.steps or (3 if args.quick else 200)
     t0 = time.time()
-    results = {}
+    results, trained = {}, []
     for kind in args.models.split(","):
         if kind == "bert" and (reason := transformers_missing()):
             print(f"SKIPPED bert: {reason}")
@@ -297,12 +305,15 @@ def main(argv: list[str] | None = None) -> int:
         t = time.time()
         inspect_text = run_inspect(kind, kout)
         print(f"== {kind}: ln-lightning inspect\n{inspect_text}")
-        r = train(kind, steps, kout, out / "tb")
-        r.update(infer_in_fresh_process(kind, kout))
+        results[kind] = train(kind, steps, kout, out / "tb")
+        results[kind]["seconds"] = time.time() - t  # inspect and training (the fresh process serves every model)
+        trained.append(kind)
+    fresh = infer_in_fresh_process(trained, out) if trained else {}
+    for kind in trained:
+        r = results[kind]
+        r.update(fresh[kind])
         r["monitors"] = read_monitors(r["log_dir"])
-        r["seconds"] = time.time() - t
-        plot_stream(kind, r["monitors"], kout)
-        results[kind] = r
+        plot_stream(kind, r["monitors"], out / kind)
         print(f"== {kind}: {r['report']}; loss {r['loss_before']:.3f} -> {r['loss_after']:.3f}; fresh-process logits "
               f"max |diff| = {r['max_abs_diff']:.2e} (logits up to {r['logit_scale']:.2f})")
     results["run"] = {"argv": argv, "elapsed_s": time.time() - t0, "steps": steps}

@@ -553,7 +553,9 @@ def main(argv=None) -> int:
     if args.report_only:
         timing = prev.get("timing") or {}
     elif hp["jobs"] == 0:
-        torch.set_num_threads(2)
+        # --quick's model is tiny (2 layers, 32 wide, batches of 8): a second intra-op thread mostly waits, and on a
+        # busy 2-core machine its waiting cost more CPU than the work (issue 32: the quick run 145 CPU s with 2 threads).
+        torch.set_num_threads(1 if args.quick else 2)
         t0 = time.time()
         for j, s in order:
             r = run_job(j, s, hp, out)

@@ -30,6 +30,7 @@ from hypothesis import strategies as st  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _helpers_norm_cases import cases, rms_cases  # noqa: E402
+from _helpers_triton_interpreter import skip_repeated_language_patches  # noqa: E402
 from ln_lightning.testing import norm as ln_checks  # noqa: E402
 from ln_lightning.testing import norm_rms as rms_checks  # noqa: E402
 from ln_lightning.testing.norm import Case, assert_fixed_order_two_stage_reduction, assert_narrow_rows_accurate  # noqa: E402
@@ -37,6 +38,10 @@ from ln_lightning.testing.norm_rms import RMSCase  # noqa: E402
 from ln_lightning.norm import FusedLayerNorm, FusedRMSNorm, _backend, fused_add_layer_norm, fused_add_rms_norm  # noqa: E402
 
 INTERPRETER_ACTIVE = _backend.TRITON_INSTALLED and (not _TRITON_PREIMPORTED or _ENV_BEFORE == "1")
+if INTERPRETER_ACTIVE:
+    # The interpreter patches triton.language again at every helper call inside a kernel: more than half of this
+    # file's time (tests/_helpers_triton_interpreter.py). Skipped where the launch has patched it already: same bits.
+    skip_repeated_language_patches()
 
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETER_ACTIVE,
@@ -66,6 +71,34 @@ def test_kernels_under_interpreter_in_subprocess():
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+def test_interpreter_without_repeated_patches_computes_the_same_bits(kind, monkeypatch, launches):
+    # Installed at import: a triton release without the pieces it relies on fails here, not as a run twice as long.
+    from triton.runtime import interpreter
+
+    fast = interpreter._patch_lang
+    assert getattr(fast, "_ln_lightning_skips_repeated_patches", False), "skip_repeated_language_patches is not in force"
+    g = torch.Generator().manual_seed(0)
+    x, r, dy = (torch.randn(3, 37, generator=g) for _ in range(3))  # a masked row: every helper of both kernels runs
+    w = 1 + torch.randn(37, generator=g)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+        if kind == "ln":
+            y, h = fused_add_layer_norm(leaves[0], leaves[1], leaves[2], None, 1e-5, backend="triton")
+        else:
+            y, h = fused_add_rms_norm(leaves[0], leaves[1], leaves[2], 1e-5, backend="triton", weight_offset=1.0)
+        return [y, h, *torch.autograd.grad((y * dy).sum() + h.sum(), leaves)]
+
+    ours = run()
+    monkeypatch.setattr(interpreter, "_patch_lang", fast.__wrapped__)  # Triton's own: patches at every helper call
+    theirs = run()
+    assert len(launches) == 4 and set(launches) == {kind == "rms"}
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
 
 
 def _ops():
