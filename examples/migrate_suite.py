@@ -80,6 +80,9 @@ EXCESS_GATE_ARM = "closed_S0.6_t0.05_lp_x0.02"
 DISTILL_AFTER_BUDGET_ARM = "closed_S0.6_t0.05_lp_x0.02_kd"
 # It at half the excess tolerance, 0.01 (order 16: a diagnostic on the two models it fails, not a choice).
 HALF_EXCESS_ARM = "closed_S0.6_t0.05_lp_x0.01_kd"
+# It compared with the model's own function at blend 0 (TransitionSpec.reference="current"), not a frozen copy of the
+# trained one (order 17: a diagnostic on the two models it fails, not a choice).
+LIVE_REFERENCE_ARM = "closed_S0.6_t0.05_lp_x0.02_kd_cur"
 
 # Left out of --quick (CI's run of this script; issue 32): arms whose mechanism another arm runs with other numbers.
 # closed_S0.33_* and closed_S0.6_t0.02 / t0.03 are closed_S0.6_t0.05's closed loop at another budget or tolerance;
@@ -282,6 +285,9 @@ METHODS_TRIED = [
     {"order": 16, "arms": [HALF_EXCESS_ARM], "diagnostic": True,
      "on": "the two TUNING models the default fails (xt_encoder_mlm, marian_seq2seq; 4 runs), as a diagnostic",
      "note": "registered before any of its runs (2026-12-07), not a choice: the rule of order 15 is not run again and the default does not change on it (a diagnostic, as order 10 was). After order 15 and a seed study of the default on the two models it fails (HISTORY, 2026-12-07): on seed 1 both failing runs fail again (marian_seq2seq B600 +0.0366 over unchanged, xt_encoder_mlm B300 +0.0264 with a worst excess of +0.0359), so the failures are not seed noise; and the paired training excess, now measured after the budget (ab90275), falls under the distillation at the held blend (marian_seq2seq B600: 0.022 at the budget's end, 0.009 at the fit's end) while the held-out loss stays 0.02 above continuing unchanged: what the stopped-short runs lack is what continuing unchanged gained, on top of the excess the loop allowed while blending. closed_S0.6_t0.05_lp_x0.01_kd: the default at half its excess tolerance (TransitionSpec(excess_tolerance=0.01), half the goal's final margin, fixed now, not tuned): what a run that stops short carries to the end is up to its excess tolerance, and the final margin (0.02) has to hold that and what the unchanged run gains. Run on xt_encoder_mlm and marian_seq2seq at both budgets, seed 0, to measure whether the failing runs then end within the goal and at what blend; the other models are not run (so it says nothing about what it costs where the default reaches blend 1). Outcome (after the runs, on the checkout at da3374f): on marian_seq2seq both runs now stop short within the goal and say so (B300: blend 0.193 against the default's 0.296, worst +0.0096, final +0.0128 over unchanged against +0.0174, said so at step 45 of 180; B600: blend 0.319 against 0.459, worst +0.0104, final +0.0187 against +0.0232, which failed the final margin, said so at step 90 of 360); on xt_encoder_mlm the blend reached is the default's at both budgets (0.593, 0.696: the drift tolerance holds it there, not the excess), B300's worst excess is lower (+0.0163 against +0.0237) and its final is not (+0.0240 against +0.0245: still over the final margin), B600 the default's figures (+0.0048, said so). A tighter excess tolerance takes the Marian model within the goal by stopping it earlier; it does not help the x-transformers encoder, whose unchanged continuation improves its held-out loss by 0.059 over 300 steps, which a model that stops short keeps up with only in part. Not run on the other models, so what it costs where the default reaches blend 1 is not measured: the default is unchanged."},
+    {"order": 17, "arms": [LIVE_REFERENCE_ARM], "diagnostic": True,
+     "on": "the two TUNING models the default fails (xt_encoder_mlm, marian_seq2seq; 4 runs), as a diagnostic",
+     "note": "registered before any of its runs (2026-12-07), not a choice: the default does not change on it. After order 16 and the seed study: the runs the default fails stop short of blend 1, say so, and then distil at the held blend towards a frozen copy of the trained function, whose held-out loss stays where the pretraining left it, while continuing unchanged goes on improving (xt_encoder_mlm -0.059 over 300 steps): the distillation holds a stopped-short model near a function that the run it is judged against leaves behind. closed_S0.6_t0.05_lp_x0.02_kd_cur: the default with TransitionSpec(reference='current'): its drift, its loss excess and its distillation compare the model with its own function at blend 0, with the weights it has now (no copy), so the reference improves as those weights train, and what the loop measures is what the blend changes, not what training has learnt since. Nothing else changed (its tolerances are the default's, fixed before, not tuned). Run on xt_encoder_mlm and marian_seq2seq at both budgets, seed 0, with the default and continuing unchanged run again beside it from the same pretrained checkpoints, to measure whether the stopped-short runs then end within the goal; the other models are not run (so it says nothing about the models where the default reaches blend 1)."},
 ]
 
 
@@ -362,6 +368,12 @@ ARMS[DISTILL_AFTER_BUDGET_ARM] = ('LNPlacement("pre", transition=TransitionSpec(
                                   "blend it holds (a teacher forward per step, counted)",
                                   _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02,
                                           distill_after_budget=True))
+ARMS[LIVE_REFERENCE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
+                            'reference="current"), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) '
+                            "whose drift, loss excess and distillation compare the model with its own function at blend 0 "
+                            "(the weights it has now), not with a frozen copy of the trained function",
+                            _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02,
+                                    distill_after_budget=True, reference="current"))
 ARMS[HALF_EXCESS_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.01), '
                          "resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) at half its excess "
                          "tolerance, 0.01", _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.01,
