@@ -151,8 +151,9 @@ class TransitionRun:
         if excess is None:
             return
         self.unfinished["loss_excess_at_end"] = excess
+        reference = self._reference
         words = (f"LNPlacement: the fit ends with the transition to {self.placement}-norm held at blend {a:.4g}, its "
-                 f"training loss {excess:.3g} above the trained function's on the same batches (smoothed)")
+                 f"training loss {excess:.3g} above {reference}'s on the same batches (smoothed)")
         if excess <= tol:
             info(log, words + f", within the loss excess tolerance ({tol:g}).")
         elif trainer.is_global_zero:
@@ -319,13 +320,18 @@ class TransitionRun:
                  f"blend {a:.4g} ({self._tolerances()}); {self._pace_words(need)}. "
                  f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
                  "load back into it), and the fit goes on there"
-                 + (", distilling towards the trained function" if spec.distill_after_budget else "")
+                 + (f", distilling towards {self._reference}" if spec.distill_after_budget else "")
                  + ". Continue with a larger budget, "
                  f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
                  + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
                  + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
                  + ")), "
                  "or accept more drift with a larger tolerance.")
+
+    @property
+    def _reference(self) -> str:
+        """What the drift, the loss excess and the distillation compare the model with, in a warning's words."""
+        return "the model's own function at blend 0" if self.spec.reference == "current" else "the trained function"
 
     def _tolerances(self) -> str:
         spec = self.spec
@@ -348,13 +354,13 @@ class TransitionRun:
         rise = None if self.loss_gate is None else self.loss_gate.read()
         excess = None if self.spec.excess_tolerance is None else self._excess_read()
         if excess is not None and excess > self.spec.excess_tolerance:
-            return (f"the blend has not moved{since}: the training loss stays {excess:.3g} above the trained function's "
+            return (f"the blend has not moved{since}: the training loss stays {excess:.3g} above {self._reference}'s "
                     f"on the same batches, over the loss excess tolerance ({self.spec.excess_tolerance:g}), faster than "
                     "training brings it back")
         if rise is not None and rise > self.spec.loss_tolerance:
             return (f"the blend has not moved{since}: the training loss stays {rise:.3g} above where the transition "
                     f"started, over the loss tolerance ({self.spec.loss_tolerance:g}), faster than training brings it back")
-        return (f"the blend has not moved{since}: the drift from the trained function stays above the tolerance "
+        return (f"the blend has not moved{since}: the drift from {self._reference} stays above the tolerance "
                 f"({self.spec.tolerance:g}) faster than training brings it back")
 
     @staticmethod

@@ -234,6 +234,17 @@ def test_a_fit_resumed_after_the_budget_was_spent_holds_the_blend_without_distil
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_live_reference_is_named_as_such_where_the_budget_runs_out(tmp_path):
+    # reference="current" compares the model with its own function at blend 0, not a copy of the trained one: the
+    # warnings must not say "the trained function" of it (they did, migration suite order 17).
+    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, reference="current")
+    with pytest.warns(LNLightningWarning) as said:
+        trainer(tmp_path / "a", _plugin(**spec), max_steps=6).fit(LM("demo"), train_dataloaders=loader())
+    budget = [str(w.message) for w in said if "spent its budget" in str(w.message)]
+    assert budget and "distilling towards the model's own function at blend 0" in budget[0]
+    assert not any("trained function" in m for m in budget), budget
+
+
 def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(tmp_path, teacher_runs):
     spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0)  # distill_after_budget's default in the closed loop
     with pytest.warns(LNLightningWarning, match="goes on there, distilling towards the trained function"):

@@ -421,8 +421,10 @@ def migrate_suite_needs() -> str:
     for r in sorted(rows, key=lambda r: (order.index(r["model"]), r["arm"], r["budget"])):
         tol = r["arm"].rpartition("_t")[2]
         suffix = ""
+        if tol.endswith("_cur"):  # compared with the model's own function at blend 0 (TransitionSpec(reference="current"))
+            tol, suffix = tol[:-4], ", against the model at blend 0"
         if tol.endswith("_kd"):  # distilling on after a budget spent short (TransitionSpec(distill_after_budget=True))
-            tol, suffix = tol[:-3], ", distilling after the budget"
+            tol, suffix = tol[:-3], ", distilling after the budget" + suffix
         if "_x" in tol:  # the paired loss excess as well: TransitionSpec(excess_tolerance=...)
             tol, _, excess = tol.partition("_x")
             suffix = f", loss excess {excess}" + suffix
