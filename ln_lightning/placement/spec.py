@@ -98,7 +98,7 @@ class TransitionSpec:
             (no copy): the drift is then what the blend changes, not what continued training learns, which a
             copy's KL also counts and a fixed tolerance then mistakes for the blend's. Not for migrating a trained
             model you judge against continuing it unchanged: the model's own function at blend 0 moves with the
-            weights the transition trains, so it anchors nothing: on the migration suite's Marian model it let the
+            weights the transition trains, so it anchors nothing. On the migration suite's Marian model it let the
             held-out loss rise about eight times as far as ``"trained"`` did, and it did no better on the
             x-transformers encoder (order 17).
         training_drift_factor: closed loop: ``None``, the tolerance is fixed. A number ``k``: the tolerance follows what
