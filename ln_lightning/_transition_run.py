@@ -43,6 +43,7 @@ class TransitionRun:
         self.warned_pace = False  # ... and said, past a quarter of its budget, that it would
         self.pace = _Pace()  # its blend as read, for that
         self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
+        self.retreat_left = 0  # TransitionSpec.revert_after_budget: the steps left before a spent budget is back at blend 0
         self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
         self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
@@ -68,7 +69,7 @@ class TransitionRun:
         if reason is not None:
             self.distill.off_reason = reason
             self._warn_no_distillation(trainer, reason, t, self.spec.loss_tolerance, self.spec.excess_tolerance)
-        elif self.over_budget and not spec.distill_after_budget:
+        elif self.over_budget and (not spec.distill_after_budget or (spec.revert_after_budget and not self.retreat_left)):
             self.distill.pause()  # as the fit that spent the budget did: the teacher kept for checkpoints, not run
         if self.unfinished is not None:  # (said before the distillation started: what it does now)
             self.unfinished["distill_after_budget"] = self._distills_after_budget()
@@ -140,7 +141,8 @@ class TransitionRun:
         t = None if state is None else state.transition
         if t is not None and self.finished is None and state.settle(pl_module):
             self._finished(t)
-        elif t is not None and self.unfinished is not None and self._distills_after_budget():
+        elif (t is not None and self.unfinished is not None and self._distills_after_budget()
+              and not (self.spec.revert_after_budget and not self.retreat_left)):  # (back at blend 0: nothing held)
             self._say_excess_at_end(trainer, float(t.blend))
 
     def _say_excess_at_end(self, trainer: Trainer, a: float) -> None:
@@ -216,6 +218,8 @@ class TransitionRun:
         excess = distill.take_excess() if distill is not None and distill.active else None
         if self.over_budget:
             self._observe_after_budget(trainer, pl_module, t, drift, excess)
+            if self.retreat_left:
+                self._retreat_step(t)
             return None
         if not self.endpoint:  # an endpoint step's drift (and loss) is the end point's, not the held blend's
             if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
@@ -244,7 +248,7 @@ class TransitionRun:
         need = self.pace.update(done, a, steps)  # the budget the recent pace needs (None: the blend has stopped moving)
         if done >= steps:
             self._warn_over_budget(trainer, t, a)
-            if distill is not None and distill.active and not spec.distill_after_budget:
+            if distill is not None and distill.active and (not spec.distill_after_budget or not self.retreat_left):
                 distill.pause()  # the blend is held from here: no teacher forward, the teacher kept for checkpoints
         elif not self.warned_pace and done >= steps // 4 and (need is None or need > steps):
             self.warned_pace = True
@@ -253,6 +257,21 @@ class TransitionRun:
                      f"{self.placement}-norm stands at blend {a:.3g}: {self._pace_words(need)}. Unless "
                      "that changes it will stop where it stands at the budget's end, not finish.")
         return a
+
+    def _retreat_step(self, t) -> None:
+        """A spent budget going back to blend 0 (TransitionSpec.revert_after_budget): one step of it, on the device; at
+        its last, the blend is exactly 0 and the teacher pauses (the fit trains the model as written from there)."""
+        self.retreat_left -= 1
+        if self.retreat_left > 0:
+            t.retreat(self.spec.rate())
+            return
+        t.blend.fill_(0.0)
+        if self.distill is not None and self.distill.active and not self.distill.paused:
+            self.distill.pause()
+        if self.unfinished is not None:
+            self.unfinished["reverted_at_step"] = t.host_steps + 1
+        info(log, f"LNPlacement: the transition to {self.placement}-norm is back at blend 0 after {t.host_steps + 1} "
+             "steps: the model computes its trained placement with the weights it has now, and the fit trains it so.")
 
     def _observe_after_budget(self, trainer: Trainer, pl_module: LightningModule, t, drift, excess) -> None:
         """A spent budget, distilling at the held blend (distill_after_budget): the teacher's forward still measures
@@ -307,9 +326,12 @@ class TransitionRun:
         spec = self.spec
         need = self.pace.update(t.host_steps, a, t.steps)
         self.over_budget = True
+        if spec.revert_after_budget:  # (host arithmetic from the one read of the blend at the budget's end)
+            self.retreat_left = math.ceil(a / spec.rate() - 1e-6) if a > 0 else 0
         self.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
                            "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since,
-                           "distill_after_budget": self._distills_after_budget()}
+                           "distill_after_budget": self._distills_after_budget(),
+                           "revert_after_budget": spec.revert_after_budget}
         if self.loss_gate is not None:
             self.unfinished.update(loss_tolerance=spec.loss_tolerance, loss_rise=self.loss_gate.read())
         if spec.excess_tolerance is not None:  # (JSON has no infinity: an excess tolerance that never holds is null)
@@ -318,10 +340,16 @@ class TransitionRun:
         if trainer.is_global_zero:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
                  f"blend {a:.4g} ({self._tolerances()}); {self._pace_words(need)}. "
-                 f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
-                 "load back into it), and the fit goes on there"
-                 + (f", distilling towards {self._reference}" if spec.distill_after_budget else "")
-                 + ". Continue with a larger budget, "
+                 + (("The model goes back to blend 0, its trained placement, over the next "
+                     f"{self.retreat_left} step{'s' if self.retreat_left != 1 else ''}" + (f" (distilling towards {self._reference})" if spec.distill_after_budget else "")
+                     if self.retreat_left else "The model is at blend 0, its trained placement")
+                    + ", and the fit goes on with it as written (revert_after_budget=True). Migrate with a larger budget, "
+                    if spec.revert_after_budget else
+                    f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
+                    "load back into it), and the fit goes on there"
+                    + (f", distilling towards {self._reference}" if spec.distill_after_budget else "")
+                    + ". Continue with a larger budget, ")
+                 + 
                  f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
                  + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
                  + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")

@@ -256,6 +256,12 @@ class Transition(nn.Module):
         self.blend.copy_(torch.clamp(self.blend + rate * ok.to(self.blend), max=1.0))
 
     @torch.no_grad()
+    def retreat(self, rate: float) -> None:
+        """One step of a spent budget going back (TransitionSpec.revert_after_budget): the blend lowered by `rate`,
+        to exactly 0 at the least, on the device (no synchronisation)."""
+        self.blend.copy_(torch.clamp(self.blend - rate, min=0.0))
+
+    @torch.no_grad()
     def observe(self, drift: torch.Tensor, ema: float = 0.8) -> None:
         """Smooth a measured drift as `gate` does, leaving the blend where it is (a spent budget holds it)."""
         d = drift.detach().to(self.drift)
