@@ -248,7 +248,8 @@ class TransitionRun:
         need = self.pace.update(done, a, steps)  # the budget the recent pace needs (None: the blend has stopped moving)
         if done >= steps:
             self._warn_over_budget(trainer, t, a)
-            if distill is not None and distill.active and (not spec.distill_after_budget or not self.retreat_left):
+            if distill is not None and distill.active and (
+                    not spec.distill_after_budget or (spec.revert_after_budget and not self.retreat_left)):
                 distill.pause()  # the blend is held from here: no teacher forward, the teacher kept for checkpoints
         elif not self.warned_pace and done >= steps // 4 and (need is None or need > steps):
             self.warned_pace = True

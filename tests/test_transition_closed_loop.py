@@ -23,6 +23,7 @@ from ln_lightning.demo import PostNormTransformerLM
 from ln_lightning.placement import convert
 from ln_lightning.placement.migrate import transition
 from ln_lightning.placement.migrate.blend import Transition
+from ln_lightning.placement.rewrite import hooks
 from ln_lightning.plugin import REPORT_FILENAME, LNPlacement
 
 
@@ -280,6 +281,66 @@ def test_distill_after_budget_validates():
         TransitionSpec(steps=4, distill=0.0, distill_after_budget=True)
     with pytest.raises(ValueError, match="must be True, False or None"):
         TransitionSpec(steps=4, distill_after_budget=1)
+
+
+def test_revert_after_budget_goes_back_to_blend_0_then_trains_the_model_as_written_and_resumes_so(tmp_path, teacher_runs):
+    """A budget spent short of blend 1 with revert_after_budget: the blend goes back to 0 at the ramp's pace while the
+    teacher distils, then the teacher pauses; the model ends computing its trained placement (the rewrite's hooks
+    bypassed: the model as written), the report says where it went back, and a fit resumed after that runs no teacher
+    and ends as the uninterrupted one."""
+    # tolerance 1e-12: only the first step (at blend 0, drift exactly 0) advances; ramp 1 over 4 steps: blend 0.25,
+    # so one step back.
+    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, ramp=1.0, revert_after_budget=True)
+    straight = LM("demo")
+    plugin = LNPlacement("pre", transition=TransitionSpec(**spec), fused=False)  # (writes its report)
+    with pytest.warns(LNLightningWarning, match=r"goes back to blend 0, its trained placement, over the next 1 step "
+                                                r"\(distilling towards the trained function\)"):
+        logged_trainer(tmp_path / "a", plugin, 9).fit(straight, train_dataloaders=loader())
+    assert len(teacher_runs) == 5  # the budget's 4 steps and the one back, none after
+    blends = csv_column(tmp_path / "a" / "logs", "ln_placement/transition")
+    assert blends[1:5] == [0.25] * 4 and blends[5:] == [0.0] * 4
+    assert csv_column(tmp_path / "a" / "logs", "ln_placement/distill_kl")[5:] == [0.0] * 4
+    assert transition.get_blend(straight) == 0.0
+    report = json.loads(next((tmp_path / "a" / "logs").rglob(REPORT_FILENAME)).read_text())
+    assert report["transition"]["finished"] is False and report["transition"]["blend"] == 0.0
+    assert report["transition"]["revert_after_budget"] is True and report["transition"]["reverted_at_step"] == 5
+    straight.eval()
+    x = batch()
+    with torch.no_grad():
+        held = straight(x)
+        with hooks.bypass():
+            written = straight(x)
+    assert torch.equal(held, written)  # blend 0: the trained placement, bit for bit
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1)
+    with pytest.warns(LNLightningWarning, match="spent its budget"):
+        trainer(tmp_path / "b", _plugin(**spec), max_steps=6, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
+    teacher_runs.clear()
+    resumed = LM("demo")
+    with pytest.warns(LNLightningWarning, match="spent its budget of 4 steps .* The model is at blend 0, its trained placement"):
+        trainer(tmp_path / "c", _plugin(**spec), max_steps=9).fit(
+            resumed, train_dataloaders=loader(), ckpt_path=next((tmp_path / "ck").glob("*step=6*.ckpt")))
+    assert teacher_runs == []
+    a, b = straight.state_dict(), resumed.state_dict()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
+
+
+def test_revert_after_budget_validates():
+    assert TransitionSpec(steps=4).revert_after_budget is False
+    with pytest.raises(ValueError, match="revert_after_budget says what a closed loop .* open loop"):
+        TransitionSpec(steps=4, tolerance=None, revert_after_budget=True)
+    with pytest.raises(TypeError, match="revert_after_budget must be True or False"):
+        TransitionSpec(steps=4, revert_after_budget=1)
+
+
+def test_retreat_lowers_the_blend_to_exactly_0():
+    t = Transition(steps=4, kind="closed")
+    t.blend.fill_(0.3)
+    t.retreat(0.125)
+    assert t.blend.item() == pytest.approx(0.175)
+    t.retreat(0.5)
+    assert t.blend.item() == 0.0
 
 
 # ---------------------------------------------------------------------------------------------- point 4: dropout
