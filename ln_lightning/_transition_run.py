@@ -43,7 +43,11 @@ class TransitionRun:
         self.warned_pace = False  # ... and said, past a quarter of its budget, that it would
         self.pace = _Pace()  # its blend as read, for that
         self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
-        self.retreat_left = 0  # TransitionSpec.revert_after_budget: the steps left before a spent budget is back at blend 0
+        # TransitionSpec.revert_after_budget: a spent budget going back to blend 0 ("ramp": the steps that takes, counted
+        # on the host; "gated": None, the blend is read on logging steps), and the steps since the budget's end.
+        self.reverting = False
+        self.retreat_left: int | None = None
+        self.after_budget_steps = 0
         self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
         self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
@@ -69,7 +73,7 @@ class TransitionRun:
         if reason is not None:
             self.distill.off_reason = reason
             self._warn_no_distillation(trainer, reason, t, self.spec.loss_tolerance, self.spec.excess_tolerance)
-        elif self.over_budget and (not spec.distill_after_budget or (spec.revert_after_budget and not self.retreat_left)):
+        elif self.over_budget and (not spec.distill_after_budget or (spec.revert_after_budget and not self.reverting)):
             self.distill.pause()  # as the fit that spent the budget did: the teacher kept for checkpoints, not run
         if self.unfinished is not None:  # (said before the distillation started: what it does now)
             self.unfinished["distill_after_budget"] = self._distills_after_budget()
@@ -142,8 +146,12 @@ class TransitionRun:
         if t is not None and self.finished is None and state.settle(pl_module):
             self._finished(t)
         elif (t is not None and self.unfinished is not None and self._distills_after_budget()
-              and not (self.spec.revert_after_budget and not self.retreat_left)):  # (back at blend 0: nothing held)
-            self._say_excess_at_end(trainer, float(t.blend))
+              and not (self.spec.revert_after_budget and not self.reverting)):  # (back at blend 0: nothing held)
+            a = float(t.blend)
+            if self.reverting and a == 0.0:  # a gated return that reached blend 0 after its last read
+                self._back_at_zero(t)
+            else:
+                self._say_excess_at_end(trainer, a)
 
     def _say_excess_at_end(self, trainer: Trainer, a: float) -> None:
         """The smoothed loss excess a spent budget's fit ends with: in the report, and a warning where it is over the
@@ -217,9 +225,10 @@ class TransitionRun:
         loss = distill.take_loss() if distill is not None and distill.active else None
         excess = distill.take_excess() if distill is not None and distill.active else None
         if self.over_budget:
-            self._observe_after_budget(trainer, pl_module, t, drift, excess)
-            if self.retreat_left:
-                self._retreat_step(t)
+            allow = self._observe_after_budget(trainer, pl_module, t, drift, excess)
+            self.after_budget_steps += 1
+            if self.reverting:
+                self._revert_step(trainer, t, allow)
             return None
         if not self.endpoint:  # an endpoint step's drift (and loss) is the end point's, not the held blend's
             if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
@@ -249,7 +258,7 @@ class TransitionRun:
         if done >= steps:
             self._warn_over_budget(trainer, t, a)
             if distill is not None and distill.active and (
-                    not spec.distill_after_budget or (spec.revert_after_budget and not self.retreat_left)):
+                    not spec.distill_after_budget or (spec.revert_after_budget and not self.reverting)):
                 distill.pause()  # the blend is held from here: no teacher forward, the teacher kept for checkpoints
         elif not self.warned_pace and done >= steps // 4 and (need is None or need > steps):
             self.warned_pace = True
@@ -259,34 +268,51 @@ class TransitionRun:
                      "that changes it will stop where it stands at the budget's end, not finish.")
         return a
 
-    def _retreat_step(self, t) -> None:
-        """A spent budget going back to blend 0 (TransitionSpec.revert_after_budget): one step of it, on the device; at
-        its last, the blend is exactly 0 and the teacher pauses (the fit trains the model as written from there)."""
-        self.retreat_left -= 1
-        if self.retreat_left > 0:
-            t.retreat(self.spec.rate())
-            return
-        t.blend.fill_(0.0)
+    def _revert_step(self, trainer: Trainer, t, allow: torch.Tensor | None) -> None:
+        """A spent budget going back to blend 0 (TransitionSpec.revert_after_budget), one step, on the device: "ramp"
+        lowers the blend by the ramp's rate, "gated" only where `allow` (the drift and the loss excess within their
+        tolerances; None: nothing measures them, so as "ramp"), read on logging steps. Back at 0, the teacher pauses
+        and the fit trains the model as written."""
+        if self.retreat_left is not None:
+            self.retreat_left -= 1
+            if self.retreat_left > 0:
+                t.retreat(self.spec.rate())
+                return
+            t.blend.fill_(0.0)
+        else:
+            t.retreat(self.spec.rate(), allow)
+            every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
+            if self.after_budget_steps % every or float(t.blend) > 0.0:  # (the read: on logging steps only)
+                return
+        self._back_at_zero(t)
+
+    def _back_at_zero(self, t) -> None:
+        self.reverting = False
         if self.distill is not None and self.distill.active and not self.distill.paused:
             self.distill.pause()
+        at = t.host_steps + self.after_budget_steps
         if self.unfinished is not None:
-            self.unfinished["reverted_at_step"] = t.host_steps + 1
-        info(log, f"LNPlacement: the transition to {self.placement}-norm is back at blend 0 after {t.host_steps + 1} "
-             "steps: the model computes its trained placement with the weights it has now, and the fit trains it so.")
+            self.unfinished["reverted_at_step"] = at
+        info(log, f"LNPlacement: the transition to {self.placement}-norm is back at blend 0 after {at} steps: the model "
+             "computes its trained placement with the weights it has now, and the fit trains it so.")
 
-    def _observe_after_budget(self, trainer: Trainer, pl_module: LightningModule, t, drift, excess) -> None:
+    def _observe_after_budget(self, trainer: Trainer, pl_module: LightningModule, t, drift,
+                              excess) -> torch.Tensor | None:
         """A spent budget, distilling at the held blend (distill_after_budget): the teacher's forward still measures
-        the drift and the loss excess, so they are smoothed and logged as before (never gating: the blend is held),
-        and the dashboard and the fit's end show whether the held blend comes back towards the trained function."""
+        the drift and the loss excess, so they are smoothed and logged as before, and the dashboard and the fit's end
+        show whether the held blend comes back towards the trained function. Returns whether both are within their
+        tolerances (a 0-dim bool tensor: what a gated return to blend 0 may step on), or None where nothing measures."""
         if self.distill is None or not self.distill.active or self.distill.paused:  # nothing measured (alike on every rank)
-            return
+            return None
         if drift is None:
             drift = torch.zeros((), device=t.blend.device)
         t.observe(trainer.strategy.reduce(drift, reduce_op="mean"))
         pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
+        allow = t.drift <= self.spec.tolerance
         if self.spec.excess_tolerance is not None:
-            self._excess_gate(trainer, excess, t.blend.device)
+            allow = allow & self._excess_gate(trainer, excess, t.blend.device)
             pl_module.log("ln_placement/loss_excess", self.excess.clone(), on_step=True, on_epoch=False)
+        return allow
 
     def _excess_gate(self, trainer: Trainer, excess: torch.Tensor | None, device) -> torch.Tensor:
         """TransitionSpec.excess_tolerance's verdict on this step (a 0-dim bool tensor, the same on every rank): the
@@ -327,8 +353,9 @@ class TransitionRun:
         spec = self.spec
         need = self.pace.update(t.host_steps, a, t.steps)
         self.over_budget = True
-        if spec.revert_after_budget:  # (host arithmetic from the one read of the blend at the budget's end)
-            self.retreat_left = math.ceil(a / spec.rate() - 1e-6) if a > 0 else 0
+        self.reverting = bool(spec.revert_after_budget) and a > 0.0
+        if self.reverting and spec.revert_after_budget == "ramp":  # (host arithmetic from the one read at the budget's end)
+            self.retreat_left = self._ramp_steps(a)
         self.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
                            "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since,
                            "distill_after_budget": self._distills_after_budget(),
@@ -341,10 +368,15 @@ class TransitionRun:
         if trainer.is_global_zero:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
                  f"blend {a:.4g} ({self._tolerances()}); {self._pace_words(need)}. "
-                 + (("The model goes back to blend 0, its trained placement, over the next "
-                     f"{self.retreat_left} step{'s' if self.retreat_left != 1 else ''}" + (f" (distilling towards {self._reference})" if spec.distill_after_budget else "")
-                     if self.retreat_left else "The model is at blend 0, its trained placement")
-                    + ", and the fit goes on with it as written (revert_after_budget=True). Migrate with a larger budget, "
+                 + (("The model goes back to blend 0, its trained placement, "
+                     + (f"over the next {self.retreat_left} step{'s' if self.retreat_left != 1 else ''}"
+                        if self.retreat_left is not None else
+                        f"as far as the drift and the loss excess stay within their tolerances allow (in "
+                        f"{self._ramp_steps(a)} step{'s' if self._ramp_steps(a) != 1 else ''} where nothing holds it)")
+                     + (f", distilling towards {self._reference}" if spec.distill_after_budget else "")
+                     if self.reverting else "The model is at blend 0, its trained placement")
+                    + f", and the fit goes on with it as written (revert_after_budget={spec.revert_after_budget!r}). "
+                    "Migrate with a larger budget, "
                     if spec.revert_after_budget else
                     f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
                     "load back into it), and the fit goes on there"
@@ -356,6 +388,9 @@ class TransitionRun:
                  + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
                  + ")), "
                  "or accept more drift with a larger tolerance.")
+
+    def _ramp_steps(self, a: float) -> int:
+        return max(1, math.ceil(a / self.spec.rate() - 1e-6))
 
     @property
     def _reference(self) -> str:

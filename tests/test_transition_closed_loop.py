@@ -290,11 +290,11 @@ def test_revert_after_budget_goes_back_to_blend_0_then_trains_the_model_as_writt
     and ends as the uninterrupted one."""
     # tolerance 1e-12: only the first step (at blend 0, drift exactly 0) advances; ramp 1 over 4 steps: blend 0.25,
     # so one step back.
-    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, ramp=1.0, revert_after_budget=True)
+    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, ramp=1.0, revert_after_budget="ramp")
     straight = LM("demo")
     plugin = LNPlacement("pre", transition=TransitionSpec(**spec), fused=False)  # (writes its report)
-    with pytest.warns(LNLightningWarning, match=r"goes back to blend 0, its trained placement, over the next 1 step "
-                                                r"\(distilling towards the trained function\)"):
+    with pytest.warns(LNLightningWarning, match=r"goes back to blend 0, its trained placement, over the next 1 step, "
+                                                r"distilling towards the trained function"):
         logged_trainer(tmp_path / "a", plugin, 9).fit(straight, train_dataloaders=loader())
     assert len(teacher_runs) == 5  # the budget's 4 steps and the one back, none after
     blends = csv_column(tmp_path / "a" / "logs", "ln_placement/transition")
@@ -303,7 +303,7 @@ def test_revert_after_budget_goes_back_to_blend_0_then_trains_the_model_as_writt
     assert transition.get_blend(straight) == 0.0
     report = json.loads(next((tmp_path / "a" / "logs").rglob(REPORT_FILENAME)).read_text())
     assert report["transition"]["finished"] is False and report["transition"]["blend"] == 0.0
-    assert report["transition"]["revert_after_budget"] is True and report["transition"]["reverted_at_step"] == 5
+    assert report["transition"]["revert_after_budget"] == "ramp" and report["transition"]["reverted_at_step"] == 5
     straight.eval()
     x = batch()
     with torch.no_grad():
@@ -326,12 +326,28 @@ def test_revert_after_budget_goes_back_to_blend_0_then_trains_the_model_as_writt
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
 
 
+def test_a_gated_revert_steps_back_only_within_the_tolerances(tmp_path, teacher_runs):
+    """revert_after_budget="gated": the drift the budget ran out on stays over its tolerance, so the blend stays where it
+    stopped, the teacher goes on (it measures the drift), and the report says the run never got back."""
+    spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, ramp=1.0, revert_after_budget="gated")
+    plugin = LNPlacement("pre", transition=TransitionSpec(**spec), fused=False)
+    with pytest.warns(LNLightningWarning, match="as far as the drift and the loss excess stay within their tolerances "
+                                                r"allow \(in 1 steps where nothing holds it\)"):
+        logged_trainer(tmp_path / "a", plugin, 9).fit(LM("demo"), train_dataloaders=loader())
+    assert len(teacher_runs) == 9
+    assert csv_column(tmp_path / "a" / "logs", "ln_placement/transition")[1:] == [0.25] * 8
+    report = json.loads(next((tmp_path / "a" / "logs").rglob(REPORT_FILENAME)).read_text())
+    assert report["transition"]["blend"] == 0.25 and "reverted_at_step" not in report["transition"]
+
+
 def test_revert_after_budget_validates():
-    assert TransitionSpec(steps=4).revert_after_budget is False
+    assert TransitionSpec(steps=4).revert_after_budget is None
     with pytest.raises(ValueError, match="revert_after_budget says what a closed loop .* open loop"):
-        TransitionSpec(steps=4, tolerance=None, revert_after_budget=True)
-    with pytest.raises(TypeError, match="revert_after_budget must be True or False"):
-        TransitionSpec(steps=4, revert_after_budget=1)
+        TransitionSpec(steps=4, tolerance=None, revert_after_budget="ramp")
+    with pytest.raises(ValueError, match="revert_after_budget must be one of None, 'ramp', 'gated'"):
+        TransitionSpec(steps=4, revert_after_budget=True)
+    with pytest.raises(ValueError, match="'gated' steps back only while .* distill_after_budget"):
+        TransitionSpec(steps=4, revert_after_budget="gated", distill_after_budget=False)
 
 
 def test_retreat_lowers_the_blend_to_exactly_0():
@@ -339,7 +355,9 @@ def test_retreat_lowers_the_blend_to_exactly_0():
     t.blend.fill_(0.3)
     t.retreat(0.125)
     assert t.blend.item() == pytest.approx(0.175)
-    t.retreat(0.5)
+    t.retreat(0.5, torch.tensor(False))  # held
+    assert t.blend.item() == pytest.approx(0.175)
+    t.retreat(0.5, torch.tensor(True))
     assert t.blend.item() == 0.0
 
 

@@ -33,6 +33,8 @@ LOSS_BASELINE_STEPS = 8
 REFERENCES = ("trained", "current")
 # TransitionSpec.drift_positions: every output position, or those the training loss depends on.
 DRIFT_POSITIONS = ("all", "loss")
+# What a closed loop that spent its budget short of blend 1 does with the blend (TransitionSpec.revert_after_budget).
+REVERTS = (None, "ramp", "gated")
 # TransitionSpec.excess_tolerance's default in the closed loop (migrate_suite order 14: the goal's 0.03 less a third).
 EXCESS_TOLERANCE = 0.02
 
@@ -165,13 +167,14 @@ class TransitionSpec:
             the closed loop with ``distill > 0``, else ``False``. The default since the migration suite's order 15:
             14 of its 16 runs meet the goal or stop short within it and say so before the budget's end, against 13
             (docs/results/migrate_suite).
-        revert_after_budget: closed loop: a transition that spends its budget short of blend 1 goes back to blend 0
-            (the placement the model was trained in, with the weights it has now) at the pace it ramps, distilling
-            towards the trained function as it goes where ``distill_after_budget`` is on; from blend 0 the teacher
-            is paused and the fit trains the model as written (its function bit for bit that of the trained
-            placement). The model then ends where a stopped-short migration leaves nothing half done: in its own
-            placement, the run having said why, with the budget it would need. ``False`` (the default): it stays at
-            the blend it reached.
+        revert_after_budget: closed loop: whether a transition that spends its budget short of blend 1 goes back to
+            blend 0 (the placement the model was trained in, with the weights it has now), distilling towards the
+            trained function as it goes where ``distill_after_budget`` is on; from blend 0 the teacher is paused and
+            the fit trains the model as written (its function bit for bit that of the trained placement). ``"ramp"``:
+            at the ramp's pace (``rate()`` per step), whatever the drift; ``"gated"``: at that pace only while the
+            smoothed drift and loss excess stay within their tolerances (it needs ``distill_after_budget``, whose
+            teacher measures them). ``None`` (the default): it stays at the blend it reached. Measured on the
+            migration suite (orders 18 and 19; docs/results/migrate_suite).
     """
 
     steps: int
@@ -188,7 +191,7 @@ class TransitionSpec:
     drift_positions: str | None = None  # "loss" in the closed loop, "all" in the open loop
     excess_tolerance: float | None = None  # EXCESS_TOLERANCE in the closed loop, off in the open loop
     distill_after_budget: bool | None = None  # True in the closed loop with distillation, else False
-    revert_after_budget: bool = False
+    revert_after_budget: str | None = None  # None (hold the blend reached), "ramp" or "gated"
 
     def __post_init__(self):
         steps = self.steps
@@ -257,12 +260,17 @@ class TransitionSpec:
             raise ValueError("TransitionSpec: distill_after_budget says what a closed loop that spent its budget short of "
                              "blend 1 does next; it needs a tolerance (the closed loop) and distill > 0. Give both, or "
                              "drop distill_after_budget.")
-        if not isinstance(self.revert_after_budget, bool):
-            raise TypeError(f"TransitionSpec: revert_after_budget must be True or False, got {self.revert_after_budget!r}.")
-        if self.revert_after_budget and tol is None:
+        if self.revert_after_budget not in REVERTS:
+            raise ValueError(f"TransitionSpec: revert_after_budget must be one of {', '.join(map(repr, REVERTS))}, got "
+                             f"{self.revert_after_budget!r}.")
+        if self.revert_after_budget is not None and tol is None:
             raise ValueError("TransitionSpec: revert_after_budget says what a closed loop that spent its budget short of "
                              "blend 1 does next; the open loop (tolerance=None) always ends at blend 1. Give a tolerance, "
                              "or drop revert_after_budget.")
+        if self.revert_after_budget == "gated" and not self.distill_after_budget:
+            raise ValueError("TransitionSpec: revert_after_budget='gated' steps back only while the drift and the loss "
+                             "excess are within their tolerances, which the teacher of distill_after_budget measures. Drop "
+                             "distill_after_budget=False, or pass revert_after_budget='ramp'.")
         if self.drift_positions is None:
             object.__setattr__(self, "drift_positions", "all" if tol is None else "loss")
         if self.drift_positions not in DRIFT_POSITIONS:

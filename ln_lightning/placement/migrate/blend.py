@@ -256,10 +256,12 @@ class Transition(nn.Module):
         self.blend.copy_(torch.clamp(self.blend + rate * ok.to(self.blend), max=1.0))
 
     @torch.no_grad()
-    def retreat(self, rate: float) -> None:
-        """One step of a spent budget going back (TransitionSpec.revert_after_budget): the blend lowered by `rate`,
-        to exactly 0 at the least, on the device (no synchronisation)."""
-        self.blend.copy_(torch.clamp(self.blend - rate, min=0.0))
+    def retreat(self, rate: float, allow: torch.Tensor | None = None) -> None:
+        """One step of a spent budget going back (TransitionSpec.revert_after_budget): the blend lowered by `rate`
+        (where `allow`, a 0-dim bool tensor, is true, if given), to exactly 0 at the least, on the device (no
+        synchronisation)."""
+        step = rate if allow is None else rate * allow.to(self.blend)
+        self.blend.copy_(torch.clamp(self.blend - step, min=0.0))
 
     @torch.no_grad()
     def observe(self, drift: torch.Tensor, ema: float = 0.8) -> None:
