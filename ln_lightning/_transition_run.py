@@ -365,29 +365,35 @@ class TransitionRun:
         if spec.excess_tolerance is not None:  # (JSON has no infinity: an excess tolerance that never holds is null)
             self.unfinished.update(excess_tolerance=spec.excess_tolerance if math.isfinite(spec.excess_tolerance) else None,
                                    loss_excess=self._excess_read())
-        if trainer.is_global_zero:
+        if not trainer.is_global_zero:
+            return
+        why = f"({self._tolerances()}); {self._pace_words(need)}."
+        larger = (f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
+                  + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
+                  + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
+                  + "))")
+        distilling = f", distilling towards {self._reference}" if spec.distill_after_budget else ""
+        if spec.revert_after_budget is None:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
-                 f"blend {a:.4g} ({self._tolerances()}); {self._pace_words(need)}. "
-                 + (("The model goes back to blend 0, its trained placement, "
-                     + (f"over the next {self.retreat_left} step{'s' if self.retreat_left != 1 else ''}"
-                        if self.retreat_left is not None else
-                        f"as far as the drift and the loss excess stay within their tolerances allow (in "
-                        f"{self._ramp_steps(a)} step{'s' if self._ramp_steps(a) != 1 else ''} where nothing holds it)")
-                     + (f", distilling towards {self._reference}" if spec.distill_after_budget else "")
-                     if self.reverting else "The model is at blend 0, its trained placement")
-                    + f", and the fit goes on with it as written (revert_after_budget={spec.revert_after_budget!r}). "
-                    "Migrate with a larger budget, "
-                    if spec.revert_after_budget else
-                    f"The model stays at that blend (it computes it, not yet the {self.placement}-norm rewrite; its checkpoints "
-                    "load back into it), and the fit goes on there"
-                    + (f", distilling towards {self._reference}" if spec.distill_after_budget else "")
-                    + ". Continue with a larger budget, ")
-                 + 
-                 f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
-                 + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
-                 + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
-                 + ")), "
-                 "or accept more drift with a larger tolerance.")
+                 f"blend {a:.4g} {why} The model stays at that blend (it computes it, not yet the {self.placement}-norm "
+                 "rewrite; its "
+                 f"checkpoints load back into it), and the fit goes on there{distilling}. Continue with a larger budget, "
+                 f"{larger}, or accept more drift with a larger tolerance.")
+        elif self.reverting:
+            pace = (f"over the next {self.retreat_left} step{'s' if self.retreat_left != 1 else ''}"
+                    if self.retreat_left is not None else
+                    "as far as the drift and the loss excess stay within their tolerances allow (in "
+                    f"{self._ramp_steps(a)} step{'s' if self._ramp_steps(a) != 1 else ''} where nothing holds it)")
+            warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
+                 f"blend {a:.4g} {why} The model goes back to blend 0, its trained placement, {pace}{distilling}, and the "
+                 "fit goes on "
+                 f"with it as written (revert_after_budget={spec.revert_after_budget!r}). Migrate with a larger budget, "
+                 f"{larger}, or accept more drift with a larger tolerance.")
+        else:
+            warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
+                 f"blend {a:.4g} {why} The model is at blend 0, its trained placement, and the fit goes on with it as written "
+                 f"(revert_after_budget={spec.revert_after_budget!r}). Migrate with a larger budget, {larger}, or accept "
+                 "more drift with a larger tolerance.")
 
     def _ramp_steps(self, a: float) -> int:
         return max(1, math.ceil(a / self.spec.rate() - 1e-6))

@@ -27,7 +27,10 @@ ARMS = {"unchanged", "hard", "default", "default_long", "closed_S0.6_t0.05", "ca
         "closed_S0.6_t0.05_lp_x0.02_kd_cur"}
 # ... and leaves out those that run one of them with other numbers (a budget, a tolerance)
 REPEATS = {"closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "closed_S0.6_t0.03", "closed_S0.6_t0.05_L0.03",
-           "closed_S0.6_t0.05_lp_x0.01_kd"}
+           "closed_S0.6_t0.05_lp_x0.01_kd",
+           # ... or that --quick can't tell from another: these differ from the default only after a budget spent short
+           # of blend 1, and every --quick transition reaches it (checked below)
+           "closed_S0.6_t0.05_lp_x0.02_kd_rv", "closed_S0.6_t0.05_lp_x0.02_kd_rvg"}
 TUNED = ("closed_", "calib")  # arms tuned on the tuning half: on the held-out half only the one picked there runs
 
 
@@ -90,6 +93,10 @@ def test_migrate_suite_quick(tmp_path):
             drift_fwd = r["training_drift_forwards"]
             assert (drift_fwd > 0) == r["arm"].endswith("_k2")
             assert r["teacher_steps"] > 0 and r["units"] == 3 * r["steps"] + r["teacher_steps"] + calib + drift_fwd
+
+    # the default reaches blend 1 in every --quick run: so the arms that differ from it only after a budget spent short
+    # of blend 1 would repeat it here (REPEATS)
+    assert {r["blend_reached"] for r in runs if r["arm"] == "closed_S0.6_t0.05_lp_x0.02_kd"} == {1.0}
 
     md = (tmp_path / "results.md").read_text()
     assert md == _render(res)

@@ -332,7 +332,7 @@ def test_a_gated_revert_steps_back_only_within_the_tolerances(tmp_path, teacher_
     spec = dict(steps=4, tolerance=1e-12, endpoint_fraction=0.0, ramp=1.0, revert_after_budget="gated")
     plugin = LNPlacement("pre", transition=TransitionSpec(**spec), fused=False)
     with pytest.warns(LNLightningWarning, match="as far as the drift and the loss excess stay within their tolerances "
-                                                r"allow \(in 1 steps where nothing holds it\)"):
+                                                r"allow \(in 1 step where nothing holds it\)"):
         logged_trainer(tmp_path / "a", plugin, 9).fit(LM("demo"), train_dataloaders=loader())
     assert len(teacher_runs) == 9
     assert csv_column(tmp_path / "a" / "logs", "ln_placement/transition")[1:] == [0.25] * 8

@@ -173,8 +173,11 @@ class TransitionSpec:
             the fit trains the model as written (its function bit for bit that of the trained placement). ``"ramp"``:
             at the ramp's pace (``rate()`` per step), whatever the drift; ``"gated"``: at that pace only while the
             smoothed drift and loss excess stay within their tolerances (it needs ``distill_after_budget``, whose
-            teacher measures them). ``None`` (the default): it stays at the blend it reached. Measured on the
-            migration suite (orders 18 and 19; docs/results/migrate_suite).
+            teacher measures them). ``None`` (the default): it stays at the blend it reached. On the migration
+            suite's two models the default fails (orders 18 and 19, docs/results/migrate_suite) neither helps: the
+            x-transformers encoder ends a little nearer continuing unchanged, and the Marian model's held-out loss
+            rises as it steps back (its weights, trained through the transition, compute a worse function at a lower
+            blend), so both end further above it than the default.
     """
 
     steps: int
