@@ -278,7 +278,7 @@ class TransitionRun:
             if self.retreat_left > 0:
                 t.retreat(self.spec.rate())
                 return
-            t.blend.fill_(0.0)
+            t.retreat(1.0)  # the last step: exactly 0 (the blend is at most 1)
         else:
             t.retreat(self.spec.rate(), allow)
             every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
