@@ -149,7 +149,7 @@ class TransitionRun:
               and not (self.spec.revert_after_budget and not self.reverting)):  # (back at blend 0: nothing held)
             a = float(t.blend)
             if self.reverting and a == 0.0:  # a gated return that reached blend 0 after its last read
-                self._back_at_zero(t)
+                self._back_at_zero(trainer, t)
             else:
                 self._say_excess_at_end(trainer, a)
 
@@ -284,16 +284,16 @@ class TransitionRun:
             every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
             if self.after_budget_steps % every or float(t.blend) > 0.0:  # (the read: on logging steps only)
                 return
-        self._back_at_zero(t)
+        self._back_at_zero(trainer, t)
 
-    def _back_at_zero(self, t) -> None:
+    def _back_at_zero(self, trainer: Trainer, t) -> None:
         self.reverting = False
         if self.distill is not None and self.distill.active and not self.distill.paused:
             self.distill.pause()
-        at = t.host_steps + self.after_budget_steps
+        at = trainer.global_step  # (Lightning's count: a resumed fit's goes on from its checkpoint's)
         if self.unfinished is not None:
             self.unfinished["reverted_at_step"] = at
-        info(log, f"LNPlacement: the transition to {self.placement}-norm is back at blend 0 after {at} steps: the model "
+        info(log, f"LNPlacement: the transition to {self.placement}-norm is back at blend 0 at step {at}: the model "
              "computes its trained placement with the weights it has now, and the fit trains it so.")
 
     def _observe_after_budget(self, trainer: Trainer, pl_module: LightningModule, t, drift,
