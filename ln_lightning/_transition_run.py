@@ -373,7 +373,14 @@ class TransitionRun:
                   + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
                   + "))")
         distilling = f", distilling towards {self._reference}" if spec.distill_after_budget else ""
-        if spec.revert_after_budget is None:
+        if spec.revert_after_budget is None and need is None:  # the blend stopped moving: more steps alone did not help
+            warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
+                 f"blend {a:.4g} {why} The model stays at that blend (it computes it, not yet the {self.placement}-norm "
+                 f"rewrite; its checkpoints load back into it), and the fit goes on there{distilling}. A blend that has "
+                 "stopped moving is not moved by a larger budget alone (on the migration suite, five times the budget "
+                 f"left such a blend where it stopped): accept more with a larger tolerance, {self._looser(t.steps)}, at the "
+                 "held-out loss it costs, or keep the checkpoint the transition started from.")
+        elif spec.revert_after_budget is None:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
                  f"blend {a:.4g} {why} The model stays at that blend (it computes it, not yet the {self.placement}-norm "
                  "rewrite; its "
@@ -394,6 +401,22 @@ class TransitionRun:
                  f"blend {a:.4g} {why} The model is at blend 0, its trained placement, and the fit goes on with it as written "
                  f"(revert_after_budget={spec.revert_after_budget!r}). Migrate with a larger budget, {larger}, or accept "
                  "more drift with a larger tolerance.")
+
+    def _looser(self, steps: int) -> str:
+        """The spec with the tolerance that holds the blend (the one _pace_words names) doubled, in a user's words."""
+        spec = self.spec
+        tolerance, loss, excess = spec.tolerance, spec.loss_tolerance, spec.excess_tolerance
+        measured = None if excess is None else self._excess_read()
+        rise = None if self.loss_gate is None else self.loss_gate.read()
+        if measured is not None and measured > excess:
+            excess = 2 * excess
+        elif rise is not None and rise > loss:
+            loss = 2 * loss
+        else:
+            tolerance = 2 * tolerance
+        return (f"LNPlacement(..., transition=TransitionSpec(steps={steps}, tolerance={tolerance:g}"
+                + (f", loss_tolerance={loss:g}" if loss is not None else "")
+                + (f", excess_tolerance={excess:g}" if excess not in (None, math.inf) else "") + "))")
 
     def _ramp_steps(self, a: float) -> int:
         return max(1, math.ceil(a / self.spec.rate() - 1e-6))
