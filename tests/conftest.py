@@ -35,7 +35,9 @@ import torch
 # (norm/_extension.py); before, each new venv rebuilt both kernels (75 s more). Measured again on 2026-12-07 (c02798e,
 # 1,184 tests, a fresh clone from ci-fresh with its venv and the kernel cache built, a day as slow as that one: the
 # same Python loop 1.51 s, importing lightning.pytorch 7.1 s, collecting alone 15 s): 68.3 and 70.0 s wall (63-65 s
-# in pytest). The issue's 60 s held on the idle day only.
+# in pytest). Measured again on 2026-12-07 afternoon (33e2dc6's tests, 1,189, the checkout's venv with the kernel cache
+# built, nothing else running; the Python loop 1.66 s, importing lightning.pytorch 11.4 s, a sum of 166 worker-s of test
+# durations): 125 s wall (117 s in pytest). The issue's 60 s held on the idle day only.
 torch.set_num_threads(1)
 
 # CI (CI=true) runs the property tests on hypothesis' fixed, derandomized examples, so a run's result is
