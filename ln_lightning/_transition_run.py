@@ -377,8 +377,8 @@ class TransitionRun:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
                  f"blend {a:.4g} {why} The model stays at that blend (it computes it, not yet the {self.placement}-norm "
                  f"rewrite; its checkpoints load back into it), and the fit goes on there{distilling}. A blend that has "
-                 "stopped moving is not moved by a larger budget alone (on the migration suite, five times the budget "
-                 f"left such a blend where it stopped): accept more with a larger tolerance, {self._looser(t.steps)}, at the "
+                 "stopped moving is not moved by a larger budget alone (on the migration suite, a budget five times "
+                 f"larger left such a blend short of 1): accept more with a larger tolerance, {self._looser(t.steps)}, at the "
                  "held-out loss it costs, or keep the checkpoint the transition started from.")
         elif spec.revert_after_budget is None:
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
