@@ -368,6 +368,7 @@ class TransitionRun:
         if not trainer.is_global_zero:
             return
         why = f"({self._tolerances()}); {self._pace_words(need)}."
+        # (spelled out here, not by a helper: the troubleshooting page reads this assignment into the warnings' text)
         larger = (f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
                   + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
                   + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
@@ -387,10 +388,11 @@ class TransitionRun:
                  f"checkpoints load back into it), and the fit goes on there{distilling}. Continue with a larger budget, "
                  f"{larger}, or accept more drift with a larger tolerance.")
         elif self.reverting:
-            pace = (f"over the next {self.retreat_left} step{'s' if self.retreat_left != 1 else ''}"
-                    if self.retreat_left is not None else
+            n = self._ramp_steps(a)  # (the "ramp" way back's length, retreat_left)
+            steps_words = f"{n} step{'s' if n != 1 else ''}"
+            pace = (f"over the next {steps_words}" if self.retreat_left is not None else
                     "as far as the drift and the loss excess stay within their tolerances allow (in "
-                    f"{self._ramp_steps(a)} step{'s' if self._ramp_steps(a) != 1 else ''} where nothing holds it)")
+                    f"{steps_words} where nothing holds it)")
             warn(f"LNPlacement: the closed-loop transition to {self.placement}-norm spent its budget of {t.steps} steps at "
                  f"blend {a:.4g} {why} The model goes back to blend 0, its trained placement, {pace}{distilling}, and the "
                  "fit goes on "

@@ -128,8 +128,8 @@ def test_closed_loop_that_cant_stay_within_the_tolerance_says_so_and_never_finis
                for m in said), said
     assert any(re.search(r"spent its budget of 6 steps at blend 0\.3333 .*not moved since step 1.*stays at that blend", m)
                for m in said), said
-    # a stalled blend: the fix offered is a larger tolerance, not a larger budget (migration suite order 20: five times
-    # the budget left such a blend where it stopped)
+    # a stalled blend: the fix offered is a larger tolerance, not a larger budget (migration suite order 20: a budget
+    # five times larger left such a blend short of 1)
     spent = next(m for m in said if "spent its budget" in m)
     assert "not moved by a larger budget alone" in spent and "TransitionSpec(steps=6, tolerance=2e-12, excess_tolerance=0.02)" in spent, spent
     assert "Continue with a larger budget" not in spent, spent
