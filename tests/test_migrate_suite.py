@@ -30,7 +30,9 @@ REPEATS = {"closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "clo
            "closed_S0.6_t0.05_lp_x0.01_kd",
            # ... or that --quick can't tell from another: these differ from the default only after a budget spent short
            # of blend 1, and every --quick transition reaches it (checked below)
-           "closed_S0.6_t0.05_lp_x0.02_kd_rv", "closed_S0.6_t0.05_lp_x0.02_kd_rvg"}
+           "closed_S0.6_t0.05_lp_x0.02_kd_rv", "closed_S0.6_t0.05_lp_x0.02_kd_rvg",
+           # ... or that runs over the unchanged run's compute by design (a diagnostic)
+           "closed_S0.6_t0.05_lp_x0.02_kd_ft"}
 TUNED = ("closed_", "calib")  # arms tuned on the tuning half: on the held-out half only the one picked there runs
 
 
