@@ -410,6 +410,13 @@ def migrate_suite() -> str:
         "end that it would. " + _caption("migrate_suite")])
 
 
+# Arm-name endings of the default with one more TransitionSpec option, in the needs table's words (checked in order).
+_AFTER_THE_DEFAULT = (("_rvg", ", back to blend 0 after the budget where the tolerances allow"),
+                      ("_rv", ", back to blend 0 after the budget"),
+                      ("_ft", ", its teacher's compute not charged (a diagnostic, over the compute)"),
+                      ("_te2", ", a teacher every 2nd step"), ("_te4", ", a teacher every 4th step"))
+
+
 def migrate_suite_needs() -> str:
     """What each suite model needed of the closed loop: the steps its blend took to reach 1 (or where it stood when
     the budget ran out) and the largest smoothed drift it gated on, per budget, for the tolerances run on it."""
@@ -421,6 +428,10 @@ def migrate_suite_needs() -> str:
     for r in sorted(rows, key=lambda r: (order.index(r["model"]), r["arm"], r["budget"])):
         tol = r["arm"].rpartition("_t")[2]
         suffix = ""
+        for end, words in _AFTER_THE_DEFAULT:  # the default's spec with one more option (orders 17-22)
+            if tol.endswith(end):
+                tol, suffix = tol[:-len(end)], words
+                break
         if tol.endswith("_cur"):  # compared with the model's own function at blend 0 (TransitionSpec(reference="current"))
             tol, suffix = tol[:-4], ", against the model at blend 0"
         if tol.endswith("_kd"):  # distilling on after a budget spent short (TransitionSpec(distill_after_budget=True))
