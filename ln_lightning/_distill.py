@@ -67,6 +67,10 @@ class Distillation:
         self._transition = None
         self._wrapper = None
         self.paused = False  # pause(): the teacher is kept for the checkpoints, not run
+        # TransitionSpec.teacher_every: set by the run before each step; a skipped step runs no teacher forward and
+        # adds no term, and a measured one weighs its term by `every` (the same pull per step on average).
+        self.skip = False
+        self.every = 1
         self._in_step = False
         self.distilled_once = False  # a KL was added in this run (checked after the first step)
 
@@ -181,7 +185,7 @@ class Distillation:
     def _before_forward(self, module, args):
         # The teacher draws the same dropout masks (and any other random numbers) as this forward: it starts from
         # the same random state. Host-side generator state: no device synchronisation.
-        if self.teacher is None or not self._in_step or not module.training or self._in_reference:
+        if self.teacher is None or self.skip or not self._in_step or not module.training or self._in_reference:
             return None
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         cuda = device if device.type == "cuda" else None
@@ -211,8 +215,8 @@ class Distillation:
     def _on_forward(self, module, args, kwargs, output):
         # Only the module's calls inside training_step: under DDP, Lightning also calls the module itself with
         # training_step's arguments (its forward redirected to training_step), whose hook fires after it returned.
-        if (self.teacher is None or self._in_reference or not self._in_step or not module.training or not torch.is_grad_enabled()
-                or torch._C._current_graph_task_id() != -1):
+        if (self.teacher is None or self.skip or self._in_reference or not self._in_step or not module.training
+                or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
             return None
         student = logits_of(output)
         rng, self._rng = self._rng, None
@@ -273,7 +277,7 @@ class Distillation:
         self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)
         if not self.weight:  # measured for the closed loop only, not trained towards
             return out
-        term = self.weight * kl
+        term = self.weight * self.every * kl
         if isinstance(out, torch.Tensor):
             return out + term
         if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):

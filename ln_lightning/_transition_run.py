@@ -69,6 +69,7 @@ class TransitionRun:
         self.distill = Distillation(spec.distill, spec.reference, drift_at_loss=spec.drift_positions == "loss",
                                     excess=spec.excess_tolerance is not None)
         self.distill.saved_state = self.teacher_state
+        self.distill.every = spec.teacher_every
         reason = self.distill.start(trainer, pl_module, t.host_steps)
         if reason is not None:
             self.distill.off_reason = reason
@@ -109,6 +110,7 @@ class TransitionRun:
         t.train_at_end(self.endpoint)
         if self.distill is not None:
             self.distill.measure_training_drift = not self.over_budget and self.spec.measures_training_drift(done)
+            self.distill.skip = not self.spec.runs_teacher(pl_module.trainer.global_step)  # (teacher_every)
 
     def end_step(self, trainer: Trainer, pl_module: LightningModule, stepped: bool) -> None:
         """After a training batch: end the first batch's measurement, and, if an optimizer stepped, move the blend."""
@@ -119,7 +121,8 @@ class TransitionRun:
         if t is not None and self.measuring:
             self._end_measurement(trainer, t)
         distill = self.distill
-        if distill is not None and distill.active and distill.off_reason is None and not distill.distilled_once:
+        if (distill is not None and distill.active and distill.off_reason is None and not distill.distilled_once
+                and not distill.skip):
             # The first batch ran without a call of the LightningModule itself inside training_step (in train mode).
             distill.off_reason = (
                 "the LightningModule was in eval mode in training_step (Lightning keeps the mode it was given: call "
@@ -221,6 +224,8 @@ class TransitionRun:
         same on every rank), count the step against the budget, and read the blend on logging steps and at the
         budget's end only. Returns the blend where it was read, else None."""
         spec, distill = self.spec, self.distill
+        # A step whose teacher was skipped (teacher_every) measured nothing: it gates on the smoothed values as they are.
+        skipped = distill is not None and distill.active and distill.skip
         drift = distill.take_drift() if distill is not None and distill.active else None
         loss = distill.take_loss() if distill is not None and distill.active else None
         excess = distill.take_excess() if distill is not None and distill.active else None
@@ -231,9 +236,10 @@ class TransitionRun:
                 self._revert_step(trainer, t, allow)
             return None
         if not self.endpoint:  # an endpoint step's drift (and loss) is the end point's, not the held blend's
-            if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
+            if drift is None and not skipped:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
                 drift = torch.zeros((), device=t.blend.device)
-            drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
+            if drift is not None:
+                drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
             allow = None
             if self.loss_gate is not None:
                 if loss is None:  # no loss seen on this rank: NaN, which the gate leaves out (every rank reduces alike)
@@ -304,9 +310,10 @@ class TransitionRun:
         tolerances (a 0-dim bool tensor: what a gated return to blend 0 may step on), or None where nothing measures."""
         if self.distill is None or not self.distill.active or self.distill.paused:  # nothing measured (alike on every rank)
             return None
-        if drift is None:
+        if drift is None and not self.distill.skip:
             drift = torch.zeros((), device=t.blend.device)
-        t.observe(trainer.strategy.reduce(drift, reduce_op="mean"))
+        if drift is not None:  # (a step whose teacher was skipped, teacher_every, keeps the smoothed drift)
+            t.observe(trainer.strategy.reduce(drift, reduce_op="mean"))
         pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
         allow = t.drift <= self.spec.tolerance
         if self.spec.excess_tolerance is not None:

@@ -275,6 +275,62 @@ def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(t
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
 
 
+def test_teacher_every_runs_the_teacher_on_the_steps_it_names_and_a_resumed_fit_on_the_same_ones(tmp_path, teacher_runs):
+    """TransitionSpec(teacher_every=2): the teacher (and the term, and the drift's measurement) on the optimizer steps
+    whose global_step is even, through the budget and after it; a fit resumed at an odd step skips as the
+    uninterrupted one did, to the same weights."""
+    # (a budget it spends short of blend 1: it distils on after it)
+    spec = dict(steps=8, tolerance=1e-12, ramp=1.0, endpoint_fraction=0.0, teacher_every=2)
+    with pytest.warns(LNLightningWarning, match="spent its budget"):
+        straight = LM("demo")
+        logged_trainer(tmp_path / "a", _plugin(**spec), 10).fit(straight, train_dataloaders=loader())
+    assert len(teacher_runs) == 5  # steps 0, 2, 4, 6, 8 of 10
+    assert len(csv_column(tmp_path / "a" / "logs", "ln_placement/distill_kl")) == 5  # logged where it ran
+    # Step 0 measures 0 (blend 0 is the trained function) and advances; step 1, skipped, gates on that and advances;
+    # step 2 measures the drift over the tolerance, which holds the blend from then on.
+    assert csv_column(tmp_path / "a" / "logs", "ln_placement/transition") == [0.0, 0.125] + [0.25] * 8
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
+    trainer(tmp_path / "b", _plugin(**spec), max_steps=3, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
+    teacher_runs.clear()
+    resumed = LM("demo")
+    with pytest.warns(LNLightningWarning, match="spent its budget"):
+        trainer(tmp_path / "c", _plugin(**spec), max_steps=10).fit(
+            resumed, train_dataloaders=loader(), ckpt_path=next((tmp_path / "ck").glob("*step=3*.ckpt")))
+    assert len(teacher_runs) == 3  # steps 4, 6, 8
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
+
+
+def test_teacher_every_weights_the_term_by_it_and_the_gate_waits_for_a_first_measurement():
+    d = _distill.Distillation(0.5)
+    d.every = 3
+    d._module = type("Logs", (), {"log": lambda *a, **k: None})()
+    d._pending = [torch.tensor(0.2)]
+    assert d._training_step(lambda: torch.tensor(1.0)).item() == pytest.approx(1.0 + 0.5 * 3 * 0.2)
+    t = Transition(steps=10, kind="closed")
+    t.gate(None, 0.1, 0.25)  # nothing measured yet: the blend holds
+    assert t.blend.item() == 0.0 and t.drift.item() == -1.0
+    t.gate(torch.tensor(0.05), 0.1, 0.25)
+    t.gate(None, 0.1, 0.25)  # a skipped step gates on the smoothed drift as it is
+    assert t.blend.item() == 0.5 and t.drift.item() == pytest.approx(0.05)
+    t.gate(torch.tensor(0.9), 0.1, 0.25)
+    t.gate(None, 0.1, 0.25)
+    assert t.blend.item() == 0.5
+
+
+def test_teacher_every_validates():
+    assert TransitionSpec(steps=4).teacher_every == 1
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="teacher_every must be a positive int"):
+            TransitionSpec(steps=4, teacher_every=bad)
+    with pytest.raises(ValueError, match="Drop teacher_every"):
+        TransitionSpec(steps=4, teacher_every=2, training_drift_factor=2.0)
+    spec = TransitionSpec(steps=4, teacher_every=3)
+    assert [spec.runs_teacher(i) for i in range(7)] == [True, False, False, True, False, False, True]
+
+
 def test_distill_after_budget_validates():
     assert TransitionSpec(steps=4).distill_after_budget is True  # the closed loop's default (suite order 15)
     assert TransitionSpec(steps=4, tolerance=None).distill_after_budget is False  # the open loop has no budget's end
@@ -466,8 +522,9 @@ class _Spy(Callback):
 
 
 @pytest.mark.parametrize("spec", [dict(steps=20), dict(steps=20, tolerance=None), dict(steps=20, loss_tolerance=0.5),
-                                  dict(steps=20, drift_positions="loss"), dict(steps=20, excess_tolerance=0.5)],
-                         ids=["closed", "open", "loss-gate", "drift-at-the-loss", "loss-excess"])
+                                  dict(steps=20, drift_positions="loss"), dict(steps=20, excess_tolerance=0.5),
+                                  dict(steps=20, teacher_every=2)],
+                         ids=["closed", "open", "loss-gate", "drift-at-the-loss", "loss-excess", "teacher-every-2"])
 def test_no_host_read_from_the_plugin_on_transition_steps_that_do_not_log(tmp_path, spec):
     spy = _Spy()
     trainer(tmp_path, _plugin(**spec), max_steps=8, callbacks=[spy], log_every_n_steps=1000).fit(

@@ -37,6 +37,8 @@ DRIFT_POSITIONS = ("all", "loss")
 REVERTS = (None, "ramp", "gated")
 # TransitionSpec.excess_tolerance's default in the closed loop (migrate_suite order 14: the goal's 0.03 less a third).
 EXCESS_TOLERANCE = 0.02
+# TransitionSpec.teacher_every's default: the teacher on every optimizer step.
+TEACHER_EVERY = 1
 
 
 def _positive(value) -> bool:
@@ -178,6 +180,14 @@ class TransitionSpec:
             x-transformers encoder ends a little nearer continuing unchanged, and the Marian model's held-out loss
             rises as it steps back (its weights, trained through the transition, compute a worse function at a lower
             blend), so both end further above it than the default.
+        teacher_every: how often the teacher runs, in optimizer steps: on the steps whose index (Lightning's
+            ``global_step``, the same on every rank and after a resume) is a multiple of it, with the distillation
+            term weighted by it there, so the pull towards the trained function per step is the same on average.
+            The closed loop measures the drift and the loss excess on those steps and gates every step on their
+            smoothed values (it never advances before its first measurement). The teacher's forward costs about a
+            third of a training step (a forward against a forward and a backward); a run within a fixed compute
+            trains that many more steps. ``None`` (the default): 1 (every step). Not with ``training_drift_factor``
+            (whose measurements ride on the teacher's forwards on steps of their own).
     """
 
     steps: int
@@ -195,6 +205,7 @@ class TransitionSpec:
     excess_tolerance: float | None = None  # EXCESS_TOLERANCE in the closed loop, off in the open loop
     distill_after_budget: bool | None = None  # True in the closed loop with distillation, else False
     revert_after_budget: str | None = None  # None (hold the blend reached), "ramp" or "gated"
+    teacher_every: int | None = None  # TEACHER_EVERY
 
     def __post_init__(self):
         steps = self.steps
@@ -274,6 +285,16 @@ class TransitionSpec:
             raise ValueError("TransitionSpec: revert_after_budget='gated' steps back only while the drift and the loss "
                              "excess are within their tolerances, which the teacher of distill_after_budget measures. Drop "
                              "distill_after_budget=False, or pass revert_after_budget='ramp'.")
+        every = self.teacher_every
+        if every is None:
+            object.__setattr__(self, "teacher_every", TEACHER_EVERY)
+        elif isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_STEPS:
+            raise ValueError(f"TransitionSpec: teacher_every must be a positive int (optimizer steps) or None (the "
+                             f"default), got {every!r}.")
+        if self.teacher_every > 1 and self.training_drift_factor is not None:
+            raise ValueError("TransitionSpec: training_drift_factor measures the training drift on every "
+                             "training_drift_every-th step, alongside the teacher's forward, and teacher_every skips that "
+                             "forward on other steps. Drop teacher_every (every step), or drop training_drift_factor.")
         if self.drift_positions is None:
             object.__setattr__(self, "drift_positions", "all" if tol is None else "loss")
         if self.drift_positions not in DRIFT_POSITIONS:
@@ -305,6 +326,10 @@ class TransitionSpec:
         """Whether the ``i``-th optimizer step of the transition (0-based) measures the training drift (one more
         forward): with ``training_drift_factor`` set, every ``training_drift_every``-th step but the first."""
         return self.training_drift_factor is not None and i > 0 and i % self.training_drift_every == 0
+
+    def runs_teacher(self, global_step: int) -> bool:
+        """Whether the teacher runs in the optimizer step Lightning counts as ``global_step`` (``teacher_every``)."""
+        return global_step % self.teacher_every == 0
 
     def to_dict(self) -> dict:
         return asdict(self)
