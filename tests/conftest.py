@@ -37,7 +37,9 @@ import torch
 # same Python loop 1.51 s, importing lightning.pytorch 7.1 s, collecting alone 15 s): 68.3 and 70.0 s wall (63-65 s
 # in pytest). Measured again on 2026-12-07 afternoon (33e2dc6's tests, 1,189, the checkout's venv with the kernel cache
 # built, nothing else running; the Python loop 1.66 s, importing lightning.pytorch 11.4 s, a sum of 166 worker-s of test
-# durations): 125 s wall (117 s in pytest). The issue's 60 s held on the idle day only.
+# durations): 125 s wall (117 s in pytest). Measured again on 2026-12-07 evening (1,193 tests, nothing else running, the
+# Python loop 1.16 s, importing lightning.pytorch 8.5-9.1 s of CPU, every module from its .pyc): 89.5 s wall, and 98.4 s
+# in pytest on a second run. The issue's 60 s held on the idle day only.
 torch.set_num_threads(1)
 
 # CI (CI=true) runs the property tests on hypothesis' fixed, derandomized examples, so a run's result is
