@@ -91,6 +91,8 @@ GATED_REVERT_ARM = "closed_S0.6_t0.05_lp_x0.02_kd_rvg"
 FREE_TEACHER_ARM = "closed_S0.6_t0.05_lp_x0.02_kd_ft"
 # It with a teacher every 2nd or 4th optimizer step (TransitionSpec.teacher_every) (order 22).
 TEACHER_EVERY_ARMS = {2: "closed_S0.6_t0.05_lp_x0.02_kd_te2", 4: "closed_S0.6_t0.05_lp_x0.02_kd_te4"}
+# ... and every 2nd step with its term at the default's weight (distill=0.5, so 0.5 x 2 = 1 where it runs) (order 23).
+UNWEIGHTED_TEACHER_ARM = "closed_S0.6_t0.05_lp_x0.02_kd_te2u"
 # Arms whose fit stops after as many steps as continuing unchanged takes, whatever their teacher costs.
 UNCHARGED_TEACHER = (FREE_TEACHER_ARM,)
 
@@ -103,9 +105,9 @@ UNCHARGED_TEACHER = (FREE_TEACHER_ARM,)
 # which no --quick transition is (each reaches blend 1): there they compute the default's figures (their return to blend
 # 0 is tested in tests/test_transition_closed_loop.py). FREE_TEACHER_ARM is the default run for more steps than the
 # unchanged run's compute allows (a diagnostic, over the compute check by design). The teacher every 4th step is the
-# teacher every 2nd step's mechanism with another number.
+# teacher every 2nd step's mechanism with another number, and so is its unweighted term (a distill weight).
 QUICK_REPEATS = ("closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "closed_S0.6_t0.03", "closed_S0.6_t0.05_L0.03",
-                 HALF_EXCESS_ARM, REVERT_ARM, GATED_REVERT_ARM, FREE_TEACHER_ARM, TEACHER_EVERY_ARMS[4])
+                 HALF_EXCESS_ARM, REVERT_ARM, GATED_REVERT_ARM, FREE_TEACHER_ARM, TEACHER_EVERY_ARMS[4], UNWEIGHTED_TEACHER_ARM)
 
 # The order in which methods were tried, and on which half each was chosen (appended as methods are tried).
 METHODS_TRIED = [
@@ -319,6 +321,9 @@ METHODS_TRIED = [
     {"order": 22, "arms": list(TEACHER_EVERY_ARMS.values()), "incumbent": DISTILL_AFTER_BUDGET_ARM,
      "on": "the TUNING half (20 runs); the HELD-OUT half (6 runs) with the one picked, only if one wins",
      "note": "registered before any of its runs (2026-12-07). After order 21 (a free teacher takes the default's four failing runs on xt_encoder_mlm and marian_seq2seq within the goal's loss checks): TransitionSpec(teacher_every=k), new in the library for this order: the teacher runs on the optimizer steps whose Lightning global_step is a multiple of k, its distillation term weighted k times there (the same pull per step on average); the closed loop measures the drift and the loss excess there and gates every step on their smoothed values, never advancing before a first measurement. The teacher's compute per step falls from 1 unit to 1/k (a step costs 3 + 1/k against 4), so in continuing unchanged's compute the default trains B x 3/(3 + 1/k) steps where it trains 3/4 B: at B300, 257 (k = 2) and 276 (k = 4) steps against 225. k = 2 and 4 are fixed now, not tuned. The rule, fixed before the runs: among closed_S0.6_t0.05_lp_x0.02_kd (the incumbent, the default since order 15) and these two, over the 10 tuning runs each: most runs that meet the goal or stop short within it and say so before the budget's end, then the smaller largest band share, a win needing WIN_MARGIN (0.05) of the band; a tie keeps the incumbent (between the two challengers, the first listed). Only the winner, if one wins, runs on the HELD-OUT half, reported untouched, and becomes the library's default in the closed loop (TransitionSpec(teacher_every=None)). Outcome (after the runs, on the checkout at 91c80bf): the rule's verdict was settled after the runs on the two models the default fails (8 of the 20, run first), and the other 12 were not run: teacher_every=4 failed 3 of those 4 (at most 7 of 10, against the incumbent's 8), teacher_every=2 failed 2 of them with a largest band share of 1.66 (the incumbent's over its 10 tuning runs: 0.89), so neither can win whatever the other three models give; the default is unchanged. Final held-out loss over continuing unchanged / worst excess (the default's: in the rows above): xt_encoder_mlm B300 k=2 +0.0289 / +0.0370, k=4 +0.0154 / +0.0371; B600 k=2 +0.0070 / +0.0043, k=4 +0.0137 / +0.0071; marian_seq2seq B300 k=2 +0.0128 / +0.0497, k=4 +0.0092 / +0.0384; B600 k=2 +0.0171 / +0.0185 (within the goal, where the default is not), k=4 +0.0205 / +0.0213. The steps gained (257 and 276 of B300 against 225) bring the final nearer continuing unchanged in 5 of 8 runs, but the worst excess rises above the goal at B300 on both models (it was within it): a teacher on every step is what holds the held-out loss while blending (its pull on every step, and the drift and the loss excess measured on every step, where a skipped step gates on the last smoothed value), and thinning it gives back what order 21 showed the steps are worth. Not tried: the term unweighted on the measured steps (k times less pull, smoother), a cheaper teacher that still runs every step. TransitionSpec(teacher_every=...) stays in the library, 1 by default."},
+    {"order": 23, "arms": [UNWEIGHTED_TEACHER_ARM], "diagnostic": True,
+     "on": "the two TUNING models the default fails (xt_encoder_mlm, marian_seq2seq; 4 runs, seed 0), as a diagnostic",
+     "note": "registered before any of its runs (2026-12-07), not a choice: the rule of order 22 is not run again and the default does not change on it. After order 22, whose teacher every 2nd step weighted its term 2x where it ran (the same mean pull, in spikes) and let the worst excess rise above the goal at B300 on both models: the same teacher every 2nd step with the term at the default's own weight where it runs (TransitionSpec(teacher_every=2, distill=0.5): 0.5 x 2 = 1), to tell whether the spikes or the thinner measurement let the loss rise. If it holds the worst excess within the goal at B300 on both models and the final within the margin on all four runs, it goes to the rule on the whole tuning half in a later order."},
 ]
 
 
@@ -430,6 +435,12 @@ for _k, _arm in TEACHER_EVERY_ARMS.items():
                   "every step), its forwards counted",
                   _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02, distill_after_budget=True,
                           teacher_every=_k))
+ARMS[UNWEIGHTED_TEACHER_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
+                                'teacher_every=2, distill=0.5), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd_te2 whose '
+                                "distillation term weighs what the default's does on the steps the teacher runs (0.5 x 2 = 1), "
+                                "so half the pull per step on average, without its spikes",
+                                _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02,
+                                        distill_after_budget=True, teacher_every=2, distill=0.5))
 ARMS[HALF_EXCESS_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.01), '
                          "resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) at half its excess "
                          "tolerance, 0.01", _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.01,
