@@ -224,8 +224,7 @@ class TransitionRun:
         same on every rank), count the step against the budget, and read the blend on logging steps and at the
         budget's end only. Returns the blend where it was read, else None."""
         spec, distill = self.spec, self.distill
-        # A step whose teacher was skipped (teacher_every) measured nothing: it gates on the smoothed values as they are.
-        skipped = distill is not None and distill.active and distill.skip
+        skipped = distill is not None and distill.active and distill.skip  # (TransitionSpec.teacher_every)
         drift = distill.take_drift() if distill is not None and distill.active else None
         loss = distill.take_loss() if distill is not None and distill.active else None
         excess = distill.take_excess() if distill is not None and distill.active else None
@@ -235,11 +234,12 @@ class TransitionRun:
             if self.reverting:
                 self._revert_step(trainer, t, allow)
             return None
-        if not self.endpoint:  # an endpoint step's drift (and loss) is the end point's, not the held blend's
-            if drift is None and not skipped:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
+        # An endpoint step's drift (and loss) is the end point's, not the held blend's; a step whose teacher was skipped
+        # (teacher_every) measured nothing, so the blend holds there: it moves only on a fresh measurement.
+        if not self.endpoint and not skipped:
+            if drift is None:  # nothing measures it (the reason was given): the blend ramps at the budget's pace
                 drift = torch.zeros((), device=t.blend.device)
-            if drift is not None:
-                drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
+            drift = trainer.strategy.reduce(drift, reduce_op="mean")  # every rank gates alike
             allow = None
             if self.loss_gate is not None:
                 if loss is None:  # no loss seen on this rank: NaN, which the gate leaves out (every rank reduces alike)

@@ -28,7 +28,7 @@ ARMS = {"unchanged", "hard", "default", "default_long", "closed_S0.6_t0.05", "ca
 # ... and leaves out those that run one of them with other numbers (a budget, a tolerance)
 REPEATS = {"closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "closed_S0.6_t0.03", "closed_S0.6_t0.05_L0.03",
            "closed_S0.6_t0.05_lp_x0.01_kd", "closed_S0.6_t0.05_lp_x0.02_kd_te4",
-           "closed_S0.6_t0.05_lp_x0.02_kd_te2u",
+           "closed_S0.6_t0.05_lp_x0.02_kd_te2u", "closed_S0.6_t0.05_lp_x0.02_kd_te2h",
            # ... or that --quick can't tell from another: these differ from the default only after a budget spent short
            # of blend 1, and every --quick transition reaches it (checked below)
            "closed_S0.6_t0.05_lp_x0.02_kd_rv", "closed_S0.6_t0.05_lp_x0.02_kd_rvg",

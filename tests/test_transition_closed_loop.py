@@ -286,9 +286,9 @@ def test_teacher_every_runs_the_teacher_on_the_steps_it_names_and_a_resumed_fit_
         logged_trainer(tmp_path / "a", _plugin(**spec), 10).fit(straight, train_dataloaders=loader())
     assert len(teacher_runs) == 5  # steps 0, 2, 4, 6, 8 of 10
     assert len(csv_column(tmp_path / "a" / "logs", "ln_placement/distill_kl")) == 5  # logged where it ran
-    # Step 0 measures 0 (blend 0 is the trained function) and advances; step 1, skipped, gates on that and advances;
+    # Step 0 measures 0 (blend 0 is the trained function) and advances; step 1, skipped, holds (no fresh measurement);
     # step 2 measures the drift over the tolerance, which holds the blend from then on.
-    assert csv_column(tmp_path / "a" / "logs", "ln_placement/transition") == [0.0, 0.125] + [0.25] * 8
+    assert csv_column(tmp_path / "a" / "logs", "ln_placement/transition") == [0.0] + [0.125] * 9
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
     trainer(tmp_path / "b", _plugin(**spec), max_steps=3, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
     teacher_runs.clear()
@@ -303,21 +303,12 @@ def test_teacher_every_runs_the_teacher_on_the_steps_it_names_and_a_resumed_fit_
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
 
 
-def test_teacher_every_weights_the_term_by_it_and_the_gate_waits_for_a_first_measurement():
+def test_teacher_every_weights_the_term_by_it_where_the_teacher_runs():
     d = _distill.Distillation(0.5)
     d.every = 3
     d._module = type("Logs", (), {"log": lambda *a, **k: None})()
     d._pending = [torch.tensor(0.2)]
     assert d._training_step(lambda: torch.tensor(1.0)).item() == pytest.approx(1.0 + 0.5 * 3 * 0.2)
-    t = Transition(steps=10, kind="closed")
-    t.gate(None, 0.1, 0.25)  # nothing measured yet: the blend holds
-    assert t.blend.item() == 0.0 and t.drift.item() == -1.0
-    t.gate(torch.tensor(0.05), 0.1, 0.25)
-    t.gate(None, 0.1, 0.25)  # a skipped step gates on the smoothed drift as it is
-    assert t.blend.item() == 0.5 and t.drift.item() == pytest.approx(0.05)
-    t.gate(torch.tensor(0.9), 0.1, 0.25)
-    t.gate(None, 0.1, 0.25)
-    assert t.blend.item() == 0.5
 
 
 def test_teacher_every_validates():

@@ -415,6 +415,7 @@ _AFTER_THE_DEFAULT = (("_rvg", ", back to blend 0 after the budget where the tol
                       ("_rv", ", back to blend 0 after the budget"),
                       ("_ft", ", its teacher's compute not charged (a diagnostic, over the compute)"),
                       ("_te2u", ", a teacher every 2nd step, its term unweighted"),
+                      ("_te2h", ", a teacher every 2nd step, the blend held between its measurements"),
                       ("_te2", ", a teacher every 2nd step"), ("_te4", ", a teacher every 4th step"))
 
 

@@ -183,8 +183,8 @@ class TransitionSpec:
         teacher_every: how often the teacher runs, in optimizer steps: on the steps whose index (Lightning's
             ``global_step``, the same on every rank and after a resume) is a multiple of it, with the distillation
             term weighted by it there, so the pull towards the trained function per step is the same on average.
-            The closed loop measures the drift and the loss excess on those steps and gates every step on their
-            smoothed values (it never advances before its first measurement). The teacher's forward costs about a
+            The closed loop measures the drift and the loss excess on those steps and gates its blend there only
+            (it holds on the others: every move rests on a fresh measurement). The teacher's forward costs about a
             third of a training step (a forward against a forward and a backward); a run within a fixed compute
             trains that many more steps. ``None`` (the default): 1 (every step). Not with ``training_drift_factor``
             (whose measurements ride on the teacher's forwards on steps of their own). On the migration suite's two

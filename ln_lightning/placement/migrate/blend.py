@@ -243,16 +243,14 @@ class Transition(nn.Module):
         self._at_end = bool(on)
 
     @torch.no_grad()
-    def gate(self, drift: torch.Tensor | None, tolerance: float, rate: float, ema: float = 0.8,
+    def gate(self, drift: torch.Tensor, tolerance: float, rate: float, ema: float = 0.8,
              allow: torch.Tensor | None = None) -> None:
         """One step of the closed loop, on the device (no synchronisation): smooth the measured drift (a 0-dim
-        tensor, the same on every rank; None: none was measured this step, TransitionSpec.teacher_every), and
-        advance the blend by `rate` only while the smoothed drift is within `tolerance` (and `allow`, a 0-dim bool
-        tensor, where given: another gate's verdict), never before a first measurement. It never goes back and
-        ends at exactly 1."""
-        if drift is not None:
-            self.observe(drift, ema)
-        ok = (self.drift > -1.0) & (self.drift <= tolerance)  # (-1: not measured yet)
+        tensor, the same on every rank), and advance the blend by `rate` only while the smoothed drift is within
+        `tolerance` (and `allow`, a 0-dim bool tensor, where given: another gate's verdict). It never goes back
+        and ends at exactly 1."""
+        self.observe(drift, ema)
+        ok = self.drift <= tolerance
         if allow is not None:
             ok = ok & allow
         self.blend.copy_(torch.clamp(self.blend + rate * ok.to(self.blend), max=1.0))
