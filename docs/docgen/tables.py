@@ -401,13 +401,19 @@ def migrate_suite() -> str:
         "wander, if larger), within the unchanged run's compute, blend 1 reached. `default` is the deprecated open loop "
         "(`transition_steps` = a third of the budget); the closed loops have a budget of 0.6 of it. The default tolerance "
         "(`closed_S0.6_t0.05`) was picked on the tuning half and run untouched on the held-out half; the methods tried "
-        f"after it (the last pick: `{d['rule_picks']}`) and how each did are on the results page. `closed_S0.6_t0.05_lp_x0.02` "
+        f"after it (the last rule's pick: `{d['rule_picks']}`{_overridden(d)}) and how each did are on the results page. `closed_S0.6_t0.05_lp_x0.02` "
         "was the library's default in order 14 (its drift taken over the positions the loss counts, since order 13, and "
         "its blend also held while the training loss's paired excess over the trained function's is above 0.02); "
         "`closed_S0.6_t0.05_lp_x0.02_kd` is the default since order 15 (`TransitionSpec(steps, tolerance=0.05)`: the same, "
         "and a transition that spends its budget short of blend 1 goes on distilling at the blend it holds). \"said so "
         "in time\": the run stopped short of blend 1 within the goal's excess and final, and warned before its budget's "
         "end that it would. " + _caption("migrate_suite")])
+
+
+def _overridden(d: dict) -> str:
+    """Why the latest rule's pick was not adopted, where it was not (its order's "overridden"), in the caption's words."""
+    why = next((m.get("overridden") for m in reversed(d["methods_tried"]) if not m.get("diagnostic") and not m.get("own_rule")), None)
+    return f", {why}" if why else ""
 
 
 # Arm-name endings of the default with one more TransitionSpec option, in the needs table's words (checked in order).
