@@ -636,10 +636,22 @@ def pick_on_tuning(runs: list[dict]) -> str | None:
     if not tuned:
         return None
 
+    def counts(r) -> bool:
+        # (order 15 on: a run that stops short within the goal and says so in time counts, as the acceptance does;
+        # after order 25, not where the incumbent's run of the same model, budget and seed met the goal: that model can
+        # be migrated within its budget, so stopping short there is the method's shortfall, not the model's)
+        v = r["verdict"]
+        if v["ok"] or not v.get("said_so"):
+            return bool(v["ok"])
+        if last_rule["order"] > 25 and r["arm"] != incumbent:
+            twin = next((x for x in runs if x["arm"] == incumbent and x.get("verdict")
+                         and (x["model"], x["budget"], x["seed"]) == (r["model"], r["budget"], r["seed"])), None)
+            return not (twin is not None and twin["verdict"]["ok"])
+        return True
+
     def score(arm):
         rs = [r for r in runs if r["arm"] == arm and r["half"] == "tuning" and r.get("verdict")]
-        # (order 15 on: a run that stops short within the goal and says so in time counts, as the acceptance does)
-        return -sum(bool(r["verdict"]["ok"] or r["verdict"].get("said_so")) for r in rs), max(band_share(r) for r in rs)
+        return -sum(counts(r) for r in rs), max(band_share(r) for r in rs)
 
     best = min(tuned, key=score)
     if incumbent in tuned and best != incumbent:

@@ -104,3 +104,24 @@ def test_migrate_suite_quick(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert md == _render(res)
     assert "Split fixed at" in md and "HELD-OUT" in md and "|---" in md
+
+
+def test_after_order_25_a_stop_short_where_the_incumbent_finished_is_no_success(monkeypatch):
+    """The rule's amendment (order 25's note): a challenger that stops short within the goal and says so counts only
+    where the incumbent did not meet the goal on that model and budget."""
+    spec = importlib.util.spec_from_file_location("_test_migrate_suite_rule", SCRIPT)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+
+    def run(arm, model, ok, said_so=False, worst=0.02):
+        return {"arm": arm, "half": "tuning", "model": model, "budget": 300, "seed": 0, "worst_excess": worst,
+                "verdict": {"ok": ok, "said_so": said_so, "tol_excess": 0.03}}
+
+    # the incumbent meets the goal on a and fails b; the challenger stops short (said so) on both, the same excesses
+    runs = [run("INC", "a", True), run("INC", "b", False),
+            run("NEW", "a", False, True), run("NEW", "b", False, True)]
+    order = {"order": 25, "arms": ["NEW"], "incumbent": "INC", "on": "", "note": ""}
+    monkeypatch.setattr(driver, "METHODS_TRIED", driver.METHODS_TRIED + [order])
+    assert driver.pick_on_tuning(runs) == "NEW"  # order 25's rule: 2 of 2 against 1
+    monkeypatch.setattr(driver, "METHODS_TRIED", driver.METHODS_TRIED[:-1] + [{**order, "order": 26}])
+    assert driver.pick_on_tuning(runs) == "INC"  # amended: 1 of 2 (only b counts) against 1, and the incumbent keeps a tie
