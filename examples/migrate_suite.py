@@ -444,9 +444,10 @@ for _k, _arm in TEACHER_EVERY_ARMS.items():
                   f'teacher_every={_k}), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) whose '
                   f"teacher runs on every {'2nd' if _k == 2 else '4th'} optimizer step (its distillation term weighted "
                   f"{_k}x there; the drift and the loss excess measured there; at order 22's commit the blend also "
-                  "advanced on the other steps on their smoothed values, where the library now holds it), its forwards counted",
+                  "advanced on the other steps on their smoothed values, where the library now holds it, and so needs "
+                  "ramp <= 1/k: the 4th-step arm runs at ramp 0.25 now, 0.5 in order 22), its forwards counted",
                   _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02, distill_after_budget=True,
-                          teacher_every=_k))
+                          teacher_every=_k, **({} if _k * 0.5 <= 1 else {"ramp": 1 / _k})))
 ARMS[UNWEIGHTED_TEACHER_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
                                 'teacher_every=2, distill=0.5), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd_te2 whose '
                                 "distillation term weighs what the default's does on the steps the teacher runs (0.5 x 2 = 1), "
@@ -629,7 +630,9 @@ def pick_on_tuning(runs: list[dict]) -> str | None:
     # A diagnostic order picks nothing; an order with its own rule (18-19: a gate on the two models the default fails,
     # in its note) is not this function's.
     last_rule = next(m for m in reversed(METHODS_TRIED) if not m.get("diagnostic") and not m.get("own_rule"))
-    incumbent = last_rule.get("incumbent", INCUMBENT)  # (the default when the order was registered)
+    # (the default when the order was registered: orders up to 15 compared with INCUMBENT, later ones name theirs, and
+    # one that does not is compared with the default it was registered against, PICKED)
+    incumbent = last_rule.get("incumbent", INCUMBENT if last_rule["order"] <= 15 else PICKED)
     latest = [incumbent] + [a for a in last_rule["arms"] if a != incumbent]
     present = {r["arm"] for r in runs if r["half"] == "tuning" and r.get("verdict")}
     tuned = [a for a in latest if a in present]

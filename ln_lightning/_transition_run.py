@@ -48,6 +48,8 @@ class TransitionRun:
         self.reverting = False
         self.retreat_left: int | None = None
         self.after_budget_steps = 0
+        # TransitionSpec.teacher_every: this step runs no teacher (from the step's index alone: the same on every rank)
+        self.teacher_skipped = False
         self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
         self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
@@ -110,7 +112,8 @@ class TransitionRun:
         t.train_at_end(self.endpoint)
         if self.distill is not None:
             self.distill.measure_training_drift = not self.over_budget and self.spec.measures_training_drift(done)
-            self.distill.skip = not self.spec.runs_teacher(pl_module.trainer.global_step)  # (teacher_every)
+            self.teacher_skipped = not self.spec.runs_teacher(pl_module.trainer.global_step)
+            self.distill.skip = self.teacher_skipped
 
     def end_step(self, trainer: Trainer, pl_module: LightningModule, stepped: bool) -> None:
         """After a training batch: end the first batch's measurement, and, if an optimizer stepped, move the blend."""
@@ -224,7 +227,9 @@ class TransitionRun:
         same on every rank), count the step against the budget, and read the blend on logging steps and at the
         budget's end only. Returns the blend where it was read, else None."""
         spec, distill = self.spec, self.distill
-        skipped = distill is not None and distill.active and distill.skip  # (TransitionSpec.teacher_every)
+        # (TransitionSpec.teacher_every; whether a Distillation exists is the same on every rank, so every rank reduces
+        # below on the same steps, whichever rank's teacher has stopped)
+        skipped = distill is not None and self.teacher_skipped
         drift = distill.take_drift() if distill is not None and distill.active else None
         loss = distill.take_loss() if distill is not None and distill.active else None
         excess = distill.take_excess() if distill is not None and distill.active else None
@@ -310,7 +315,7 @@ class TransitionRun:
         tolerances (a 0-dim bool tensor: what a gated return to blend 0 may step on), or None where nothing measures."""
         if self.distill is None or not self.distill.active or self.distill.paused:  # nothing measured (alike on every rank)
             return None
-        if drift is None and not self.distill.skip:
+        if drift is None and not self.teacher_skipped:
             drift = torch.zeros((), device=t.blend.device)
         if drift is not None:  # (a step whose teacher was skipped, teacher_every, keeps the smoothed drift)
             t.observe(trainer.strategy.reduce(drift, reduce_op="mean"))
@@ -319,6 +324,8 @@ class TransitionRun:
         if self.spec.excess_tolerance is not None:
             allow = allow & self._excess_gate(trainer, excess, t.blend.device)
             pl_module.log("ln_placement/loss_excess", self.excess.clone(), on_step=True, on_epoch=False)
+        if self.teacher_skipped:  # (teacher_every) nothing fresh measured: a gated return holds, as the forward gate does
+            allow = torch.zeros_like(allow)
         return allow
 
     def _excess_gate(self, trainer: Trainer, excess: torch.Tensor | None, device) -> torch.Tensor:
@@ -379,6 +386,7 @@ class TransitionRun:
         larger = (f"LNPlacement(..., transition=TransitionSpec(steps={need or 2 * t.steps}, tolerance={spec.tolerance:g}"
                   + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
                   + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
+                  + (f", teacher_every={spec.teacher_every}" if spec.teacher_every != 1 else "")
                   + "))")
         distilling = f", distilling towards {self._reference}" if spec.distill_after_budget else ""
         if spec.revert_after_budget is None and need is None:  # the blend stopped moving: more steps alone did not help
@@ -425,7 +433,8 @@ class TransitionRun:
             tolerance = 2 * tolerance
         return (f"LNPlacement(..., transition=TransitionSpec(steps={steps}, tolerance={tolerance:g}"
                 + (f", loss_tolerance={loss:g}" if loss is not None else "")
-                + (f", excess_tolerance={excess:g}" if excess not in (None, math.inf) else "") + "))")
+                + (f", excess_tolerance={excess:g}" if excess not in (None, math.inf) else "")
+                + (f", teacher_every={spec.teacher_every}" if spec.teacher_every != 1 else "") + "))")
 
     def _ramp_steps(self, a: float) -> int:
         return max(1, math.ceil(a / self.spec.rate() - 1e-6))

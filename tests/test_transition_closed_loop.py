@@ -280,7 +280,7 @@ def test_teacher_every_runs_the_teacher_on_the_steps_it_names_and_a_resumed_fit_
     whose global_step is even, through the budget and after it; a fit resumed at an odd step skips as the
     uninterrupted one did, to the same weights."""
     # (a budget it spends short of blend 1: it distils on after it)
-    spec = dict(steps=8, tolerance=1e-12, ramp=1.0, endpoint_fraction=0.0, teacher_every=2)
+    spec = dict(steps=8, tolerance=1e-12, ramp=0.5, endpoint_fraction=0.0, teacher_every=2)
     with pytest.warns(LNLightningWarning, match="spent its budget"):
         straight = LM("demo")
         logged_trainer(tmp_path / "a", _plugin(**spec), 10).fit(straight, train_dataloaders=loader())
@@ -288,7 +288,7 @@ def test_teacher_every_runs_the_teacher_on_the_steps_it_names_and_a_resumed_fit_
     assert len(csv_column(tmp_path / "a" / "logs", "ln_placement/distill_kl")) == 5  # logged where it ran
     # Step 0 measures 0 (blend 0 is the trained function) and advances; step 1, skipped, holds (no fresh measurement);
     # step 2 measures the drift over the tolerance, which holds the blend from then on.
-    assert csv_column(tmp_path / "a" / "logs", "ln_placement/transition") == [0.0] + [0.125] * 9
+    assert csv_column(tmp_path / "a" / "logs", "ln_placement/transition") == [0.0] + [0.25] * 9
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
     trainer(tmp_path / "b", _plugin(**spec), max_steps=3, callbacks=[ckpt]).fit(LM("demo"), train_dataloaders=loader())
     teacher_runs.clear()
@@ -311,6 +311,23 @@ def test_teacher_every_weights_the_term_by_it_where_the_teacher_runs():
     assert d._training_step(lambda: torch.tensor(1.0)).item() == pytest.approx(1.0 + 0.5 * 3 * 0.2)
 
 
+def test_after_the_budget_a_step_without_a_teacher_gives_a_gated_return_no_go():
+    """revert_after_budget="gated" steps back on `_observe_after_budget`'s verdict: on a step whose teacher was skipped
+    (teacher_every) nothing fresh was measured, so the verdict is no, whatever the last smoothed values say."""
+    from ln_lightning._transition_run import TransitionRun
+
+    run = TransitionRun(TransitionSpec(steps=4, teacher_every=2, revert_after_budget="gated"), "pre")
+    run.distill = type("Teacher", (), {"active": True, "paused": False})()
+    strategy = type("Strategy", (), {"reduce": staticmethod(lambda x, reduce_op: x)})()
+    trainer_ = type("T", (), {"strategy": strategy})()
+    module = type("M", (), {"log": lambda *a, **k: None})()
+    t = Transition(steps=4, kind="closed")
+    assert bool(run._observe_after_budget(trainer_, module, t, torch.tensor(0.0), torch.tensor(0.0)))  # measured, within
+    run.teacher_skipped = True
+    assert not bool(run._observe_after_budget(trainer_, module, t, None, None))  # the same smoothed values, not fresh
+    assert t.drift.item() == 0.0  # (kept, not observed again)
+
+
 def test_teacher_every_validates():
     assert TransitionSpec(steps=4).teacher_every == 1
     for bad in (0, -1, True, 2.0, "2"):
@@ -318,7 +335,12 @@ def test_teacher_every_validates():
             TransitionSpec(steps=4, teacher_every=bad)
     with pytest.raises(ValueError, match="Drop teacher_every"):
         TransitionSpec(steps=4, teacher_every=2, training_drift_factor=2.0)
-    spec = TransitionSpec(steps=4, teacher_every=3)
+    # the blend moves once per measurement: ramp x teacher_every above 1 can't reach blend 1 within the budget
+    with pytest.raises(ValueError, match=r"can't reach 1 within its budget at ramp=0.5 .* Pass ramp <= 0.333"):
+        TransitionSpec(steps=4, teacher_every=3)
+    assert TransitionSpec(steps=4, teacher_every=3, ramp=1 / 3).teacher_every == 3
+    assert TransitionSpec(steps=4, teacher_every=3, tolerance=None).teacher_every == 3  # (the open loop has no gate)
+    spec = TransitionSpec(steps=4, teacher_every=3, ramp=0.25)
     assert [spec.runs_teacher(i) for i in range(7)] == [True, False, False, True, False, False, True]
 
 

@@ -184,7 +184,8 @@ class TransitionSpec:
             ``global_step``, the same on every rank and after a resume) is a multiple of it, with the distillation
             term weighted by it there, so the pull towards the trained function per step is the same on average.
             The closed loop measures the drift and the loss excess on those steps and gates its blend there only
-            (it holds on the others: every move rests on a fresh measurement). The teacher's forward costs about a
+            (it holds on the others: every move rests on a fresh measurement, so ``ramp * teacher_every`` must be at
+            most 1, or it could not reach blend 1 within its budget). The teacher's forward costs about a
             third of a training step (a forward against a forward and a backward); a run within a fixed compute
             trains that many more steps. ``None`` (the default): 1 (every step). Not with ``training_drift_factor``
             (whose measurements ride on the teacher's forwards on steps of their own). On the migration suite
@@ -294,6 +295,11 @@ class TransitionSpec:
         elif isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_STEPS:
             raise ValueError(f"TransitionSpec: teacher_every must be a positive int (optimizer steps) or None (the "
                              f"default), got {every!r}.")
+        if self.teacher_every > 1 and tol is not None and self.ramp * self.teacher_every > 1:
+            raise ValueError(f"TransitionSpec: the closed loop's blend moves only on the steps the teacher runs, and with "
+                             f"teacher_every={self.teacher_every} it can't reach 1 within its budget at ramp={self.ramp:g} "
+                             f"(it would need {self.ramp * self.teacher_every:g} budgets). Pass ramp <= "
+                             f"{1 / self.teacher_every:.3g}, or a smaller teacher_every.")
         if self.teacher_every > 1 and self.training_drift_factor is not None:
             raise ValueError("TransitionSpec: training_drift_factor measures the training drift on every "
                              "training_drift_every-th step, alongside the teacher's forward, and teacher_every skips that "
