@@ -380,6 +380,12 @@ def _closed(fraction: float, **spec):
     return build
 
 
+def _the_default(**more):
+    """DISTILL_AFTER_BUDGET_ARM's closed loop (the default since order 15), with `more` of TransitionSpec's options."""
+    return _closed(0.6, **{**dict(tolerance=0.05, drift_positions="loss", excess_tolerance=0.02, distill_after_budget=True),
+                           **more})
+
+
 for _f, _fname in ((1 / 3, "S0.33"), (0.6, "S0.6")):
     for _t in (0.02, 0.05):
         ARMS[f"closed_{_fname}_t{_t}"] = (f'LNPlacement("pre", transition=TransitionSpec(steps={_fname[1:]} B, tolerance={_t}), '
@@ -414,31 +420,26 @@ ARMS[DISTILL_AFTER_BUDGET_ARM] = ('LNPlacement("pre", transition=TransitionSpec(
                                   'distill_after_budget=True), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02 that, having '
                                   "spent its budget short of blend 1, goes on distilling towards the trained function at the "
                                   "blend it holds (a teacher forward per step, counted)",
-                                  _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02,
-                                          distill_after_budget=True))
+                                  _the_default())
 ARMS[LIVE_REFERENCE_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
                             'reference="current"), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) '
                             "whose drift, loss excess and distillation compare the model with its own function at blend 0 "
                             "(the weights it has now), not with a frozen copy of the trained function",
-                            _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02,
-                                    distill_after_budget=True, reference="current"))
+                            _the_default(reference="current"))
 ARMS[REVERT_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
                     'revert_after_budget="ramp"), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) '
                     "that, having spent its budget short of blend 1, goes back to blend 0 at its ramp's pace, distilling as it "
                     "goes, then trains the model as written (no teacher)",
-                    _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02, distill_after_budget=True,
-                            revert_after_budget="ramp"))
+                    _the_default(revert_after_budget="ramp"))
 ARMS[GATED_REVERT_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
                           'revert_after_budget="gated"), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd_rv whose '
                           "return to blend 0 steps only while the smoothed drift and loss excess are within their tolerances",
-                          _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02, distill_after_budget=True,
-                                  revert_after_budget="gated"))
+                          _the_default(revert_after_budget="gated"))
 ARMS[FREE_TEACHER_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02), '
                           "resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default, nothing changed) whose fit "
                           "runs B steps, as continuing unchanged does, its teacher's forwards not charged against the budget "
                           "(a diagnostic: over the unchanged run's compute by those forwards, which are counted)",
-                          _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02,
-                                  distill_after_budget=True))
+                          _the_default())
 for _k, _arm in TEACHER_EVERY_ARMS.items():
     ARMS[_arm] = (f'LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
                   f'teacher_every={_k}), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) whose '
@@ -446,20 +447,17 @@ for _k, _arm in TEACHER_EVERY_ARMS.items():
                   f"{_k}x there; the drift and the loss excess measured there; at order 22's commit the blend also "
                   "advanced on the other steps on their smoothed values, where the library now holds it, and so needs "
                   "ramp <= 1/k: the 4th-step arm runs at ramp 0.25 now, 0.5 in order 22), its forwards counted",
-                  _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02, distill_after_budget=True,
-                          teacher_every=_k, **({} if _k * 0.5 <= 1 else {"ramp": 1 / _k})))
+                  _the_default(teacher_every=_k, **({} if _k * 0.5 <= 1 else {"ramp": 1 / _k})))
 ARMS[UNWEIGHTED_TEACHER_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
                                 'teacher_every=2, distill=0.5), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd_te2 whose '
                                 "distillation term weighs what the default's does on the steps the teacher runs (0.5 x 2 = 1), "
                                 "so half the pull per step on average, without its spikes",
-                                _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02,
-                                        distill_after_budget=True, teacher_every=2, distill=0.5))
+                                _the_default(teacher_every=2, distill=0.5))
 ARMS[HELD_TEACHER_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
                           "teacher_every=2), resume_unconverted=True) at a commit whose closed loop holds its blend on the "
                           "steps without a teacher (order 24; order 22's closed_S0.6_t0.05_lp_x0.02_kd_te2 advanced there on "
                           "the last smoothed drift): every move of the blend rests on a fresh measurement, as the default's does",
-                          _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.02, distill_after_budget=True,
-                                  teacher_every=2))
+                          _the_default(teacher_every=2))
 ARMS[HALF_EXCESS_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.01), '
                          "resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) at half its excess "
                          "tolerance, 0.01", _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.01,

@@ -48,8 +48,6 @@ class TransitionRun:
         self.reverting = False
         self.retreat_left: int | None = None
         self.after_budget_steps = 0
-        # TransitionSpec.teacher_every: this step runs no teacher (from the step's index alone: the same on every rank)
-        self.teacher_skipped = False
         self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
         self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
@@ -112,8 +110,8 @@ class TransitionRun:
         t.train_at_end(self.endpoint)
         if self.distill is not None:
             self.distill.measure_training_drift = not self.over_budget and self.spec.measures_training_drift(done)
-            self.teacher_skipped = not self.spec.runs_teacher(pl_module.trainer.global_step)
-            self.distill.skip = self.teacher_skipped
+            # (from the step's index alone: the same on every rank, whether or not that rank's teacher still runs)
+            self.distill.skip = not self.spec.runs_teacher(pl_module.trainer.global_step)
 
     def end_step(self, trainer: Trainer, pl_module: LightningModule, stepped: bool) -> None:
         """After a training batch: end the first batch's measurement, and, if an optimizer stepped, move the blend."""
@@ -229,7 +227,7 @@ class TransitionRun:
         spec, distill = self.spec, self.distill
         # (TransitionSpec.teacher_every; whether a Distillation exists is the same on every rank, so every rank reduces
         # below on the same steps, whichever rank's teacher has stopped)
-        skipped = distill is not None and self.teacher_skipped
+        skipped = distill is not None and distill.skip
         drift = distill.take_drift() if distill is not None and distill.active else None
         loss = distill.take_loss() if distill is not None and distill.active else None
         excess = distill.take_excess() if distill is not None and distill.active else None
@@ -315,7 +313,7 @@ class TransitionRun:
         tolerances (a 0-dim bool tensor: what a gated return to blend 0 may step on), or None where nothing measures."""
         if self.distill is None or not self.distill.active or self.distill.paused:  # nothing measured (alike on every rank)
             return None
-        if drift is None and not self.teacher_skipped:
+        if drift is None and not self.distill.skip:
             drift = torch.zeros((), device=t.blend.device)
         if drift is not None:  # (a step whose teacher was skipped, teacher_every, keeps the smoothed drift)
             t.observe(trainer.strategy.reduce(drift, reduce_op="mean"))
@@ -324,7 +322,7 @@ class TransitionRun:
         if self.spec.excess_tolerance is not None:
             allow = allow & self._excess_gate(trainer, excess, t.blend.device)
             pl_module.log("ln_placement/loss_excess", self.excess.clone(), on_step=True, on_epoch=False)
-        if self.teacher_skipped:  # (teacher_every) nothing fresh measured: a gated return holds, as the forward gate does
+        if self.distill.skip:  # (teacher_every) nothing fresh measured: a gated return holds, as the forward gate does
             allow = torch.zeros_like(allow)
         return allow
 

@@ -317,13 +317,13 @@ def test_after_the_budget_a_step_without_a_teacher_gives_a_gated_return_no_go():
     from ln_lightning._transition_run import TransitionRun
 
     run = TransitionRun(TransitionSpec(steps=4, teacher_every=2, revert_after_budget="gated"), "pre")
-    run.distill = type("Teacher", (), {"active": True, "paused": False})()
+    run.distill = type("Teacher", (), {"active": True, "paused": False, "skip": False})()
     strategy = type("Strategy", (), {"reduce": staticmethod(lambda x, reduce_op: x)})()
     trainer_ = type("T", (), {"strategy": strategy})()
     module = type("M", (), {"log": lambda *a, **k: None})()
     t = Transition(steps=4, kind="closed")
     assert bool(run._observe_after_budget(trainer_, module, t, torch.tensor(0.0), torch.tensor(0.0)))  # measured, within
-    run.teacher_skipped = True
+    run.distill.skip = True
     assert not bool(run._observe_after_budget(trainer_, module, t, None, None))  # the same smoothed values, not fresh
     assert t.drift.item() == 0.0  # (kept, not observed again)
 
