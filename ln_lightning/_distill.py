@@ -73,6 +73,7 @@ class Distillation:
         self.every = 1
         self._in_step = False
         self.distilled_once = False  # a KL was added in this run (checked after the first step)
+        self._last_kl: torch.Tensor | None = None  # the last measured step's, logged again on steps without a teacher
 
     @property
     def active(self) -> bool:
@@ -261,6 +262,11 @@ class Distillation:
         pending, self._pending = self._pending, []
         positions, self._positions = self._positions, []
         if not pending or out is None:
+            if self.skip and self._last_kl is not None and out is not None:
+                # (teacher_every) no teacher this step: the dashboard holds the last measurement, else every logging
+                # step that falls on a step without a teacher (all of them, for an even log_every_n_steps and 2)
+                # would show none
+                self._module.log("ln_placement/distill_kl", self._last_kl, on_step=True, on_epoch=False)
             return out
         self.distilled_once = True
         loss = out if isinstance(out, torch.Tensor) else out.get("loss") if isinstance(out, dict) else None
@@ -274,7 +280,8 @@ class Distillation:
             self._drift.append(kl.detach())
         if self.excess and positions:  # each forward's share of the loss: their excesses add up
             self._excesses.append(torch.stack([loss_excess(g, p[1], p[2]) for p, g in zip(positions, grads)]).sum())
-        self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)
+        self._last_kl = kl.detach()
+        self._module.log("ln_placement/distill_kl", self._last_kl, on_step=True, on_epoch=False)
         if not self.weight:  # measured for the closed loop only, not trained towards
             return out
         term = self.weight * self.every * kl

@@ -53,6 +53,7 @@ class TransitionRun:
         self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
         self.loss_gate = _LossGate(spec.loss_tolerance, spec.steps) if spec.loss_tolerance is not None else None
         self.excess: torch.Tensor | None = None  # TransitionSpec.excess_tolerance: the smoothed loss excess (device)
+        self.logged_drift = False  # the closed loop's drift was measured and logged in this fit (teacher_every holds it)
 
     # ------------------------------------------------------------------ the plugin's calls
     def start(self, trainer: Trainer, pl_module: LightningModule, t) -> None:
@@ -257,6 +258,12 @@ class TransitionRun:
             t.gate(drift, self._tolerance(trainer, pl_module, distill), spec.rate(), allow=allow)
             # the smoothed drift the loop just gated on (logged after the gate: never the -1 of "not measured yet")
             pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
+            self.logged_drift = True
+        elif self.logged_drift:
+            # (an endpoint step, or teacher_every's step without a teacher) the loop gated on nothing: the dashboard
+            # holds what it holds, else a logging step that falls on such a step (every one, for teacher_every 2 and
+            # an even log_every_n_steps) would show no drift
+            self._log_held(pl_module, t)
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
         done = t.host_steps + 1
         a = state.advance(pl_module, check=done % every == 0)
@@ -276,6 +283,14 @@ class TransitionRun:
                      f"{self.placement}-norm stands at blend {a:.3g}: {self._pace_words(need)}. Unless "
                      "that changes it will stop where it stands at the budget's end, not finish.")
         return a
+
+    def _log_held(self, pl_module: LightningModule, t) -> None:
+        """Log the closed loop's smoothed measurements as it holds them, on a step that measured nothing."""
+        pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
+        if self.excess is not None:
+            pl_module.log("ln_placement/loss_excess", self.excess.clone(), on_step=True, on_epoch=False)
+        if self.loss_gate is not None and self.loss_gate.rise is not None:
+            pl_module.log("ln_placement/loss_rise", self.loss_gate.rise.clone(), on_step=True, on_epoch=False)
 
     def _revert_step(self, trainer: Trainer, t, allow: torch.Tensor | None) -> None:
         """A spent budget going back to blend 0 (TransitionSpec.revert_after_budget), one step, on the device: "ramp"

@@ -103,7 +103,8 @@ def trainer(tmp_path, plugin=None, max_steps=4, callbacks=(), **kw) -> Trainer:
 def logged_trainer(tmp_path, plugin, max_steps, **kw) -> Trainer:
     """A Trainer that logs every step to a CSVLogger under `tmp_path / "logs"` (read back with csv_column)."""
     kw.setdefault("enable_checkpointing", False)
-    return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1,
+    kw.setdefault("log_every_n_steps", 1)
+    return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=CSVLogger(tmp_path / "logs"),
                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                    default_root_dir=tmp_path, plugins=[plugin], **kw)
 

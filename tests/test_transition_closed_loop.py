@@ -275,6 +275,21 @@ def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(t
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
 
 
+def test_teacher_every_shows_its_measurements_on_logging_steps_that_fall_on_steps_without_a_teacher(tmp_path, teacher_runs):
+    """teacher_every=2 with log_every_n_steps=2: every logging step (Lightning's 2nd, 4th, ... batch, global_step odd)
+    falls on a step without a teacher. The dashboard shows the drift, the loss excess and distill_kl as last
+    measured there, not nothing (before, none of the three was ever logged)."""
+    spec = dict(steps=12, tolerance=1e-12, ramp=0.5, endpoint_fraction=0.0, teacher_every=2, excess_tolerance=1.0)
+    plugin = _plugin(**spec)
+    logged_trainer(tmp_path, plugin, 8, log_every_n_steps=2).fit(LM("demo"), train_dataloaders=loader())
+    assert len(teacher_runs) == 4  # steps 0, 2, 4, 6
+    for name in ("ln_placement/distill_kl", "ln_placement/drift", "ln_placement/loss_excess"):
+        values = csv_column(tmp_path / "logs", name)
+        assert len(values) == 4, name  # logged at steps 1, 3, 5, 7: each the step before's measurement
+    kl = csv_column(tmp_path / "logs", "ln_placement/distill_kl")
+    assert kl[0] == 0.0 and all(v > 0 for v in kl[1:])  # step 0 at blend 0 is the trained function; then it moves
+
+
 def test_teacher_every_runs_the_teacher_on_the_steps_it_names_and_a_resumed_fit_on_the_same_ones(tmp_path, teacher_runs):
     """TransitionSpec(teacher_every=2): the teacher (and the term, and the drift's measurement) on the optimizer steps
     whose global_step is even, through the budget and after it; a fit resumed at an odd step skips as the
@@ -285,7 +300,9 @@ def test_teacher_every_runs_the_teacher_on_the_steps_it_names_and_a_resumed_fit_
         straight = LM("demo")
         logged_trainer(tmp_path / "a", _plugin(**spec), 10).fit(straight, train_dataloaders=loader())
     assert len(teacher_runs) == 5  # steps 0, 2, 4, 6, 8 of 10
-    assert len(csv_column(tmp_path / "a" / "logs", "ln_placement/distill_kl")) == 5  # logged where it ran
+    # measured on the teacher's steps, held on the others (the dashboard shows the last measurement on every step)
+    kl = csv_column(tmp_path / "a" / "logs", "ln_placement/distill_kl")
+    assert len(kl) == 10 and kl[1::2] == kl[0::2] and len(set(kl[2::2])) == 4
     # Step 0 measures 0 (blend 0 is the trained function) and advances; step 1, skipped, holds (no fresh measurement);
     # step 2 measures the drift over the tolerance, which holds the blend from then on.
     assert csv_column(tmp_path / "a" / "logs", "ln_placement/transition") == [0.0] + [0.25] * 9

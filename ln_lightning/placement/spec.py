@@ -185,7 +185,9 @@ class TransitionSpec:
             term weighted by it there, so the pull towards the trained function per step is the same on average.
             The closed loop measures the drift and the loss excess on those steps and gates its blend there only
             (it holds on the others: every move rests on a fresh measurement, so ``ramp * teacher_every`` must be at
-            most 1, or it could not reach blend 1 within its budget). The teacher's forward costs about a
+            most 1, or it could not reach blend 1 within its budget); on the others the dashboard's
+            ``ln_placement/drift``, ``loss_excess`` and ``distill_kl`` show the last measurement, so a logging step
+            that falls on one still shows them. The teacher's forward costs about a
             third of a training step (a forward against a forward and a backward); a run within a fixed compute
             trains that many more steps. ``None`` (the default): 1 (every step). Not with ``training_drift_factor``
             (whose measurements ride on the teacher's forwards on steps of their own). On the migration suite
