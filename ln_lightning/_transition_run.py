@@ -51,6 +51,7 @@ class TransitionRun:
         self.finished: torch.Tensor | None = None  # 1, logged as ln_placement/transition once the transition ended
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
         self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
+        self.last_training_drift: torch.Tensor | None = None  # ... and its last measurement (device), as logged
         self.loss_gate = _LossGate(spec.loss_tolerance, spec.steps) if spec.loss_tolerance is not None else None
         self.excess: torch.Tensor | None = None  # TransitionSpec.excess_tolerance: the smoothed loss excess (device)
         self.logged_drift = False  # the closed loop's drift was measured and logged in this fit (teacher_every holds it)
@@ -291,6 +292,8 @@ class TransitionRun:
             pl_module.log("ln_placement/loss_excess", self.excess.clone(), on_step=True, on_epoch=False)
         if self.loss_gate is not None and self.loss_gate.rise is not None:
             pl_module.log("ln_placement/loss_rise", self.loss_gate.rise.clone(), on_step=True, on_epoch=False)
+        if self.last_training_drift is not None:
+            pl_module.log("ln_placement/training_drift", self.last_training_drift, on_step=True, on_epoch=False)
 
     def _revert_step(self, trainer: Trainer, t, allow: torch.Tensor | None) -> None:
         """A spent budget going back to blend 0 (TransitionSpec.revert_after_budget), one step, on the device: "ramp"
@@ -367,9 +370,13 @@ class TransitionRun:
         measured = distill.take_training_drift() if distill is not None and distill.active else None
         if measured is not None:
             measured = trainer.strategy.reduce(measured, reduce_op="mean")  # every rank gates alike
-            pl_module.log("ln_placement/training_drift", measured.clone(), on_step=True, on_epoch=False)
+            self.last_training_drift = measured.clone()
             # smoothed over measurements, which are steps apart: the last two weigh alike
             self.training_drift = measured.float() if self.training_drift is None else 0.5 * self.training_drift + 0.5 * measured.float()
+        if self.last_training_drift is not None:
+            # the last measurement, on every step: measured on every training_drift_every-th step only, it would
+            # miss every logging step (8 and Lightning's 50: a logging step's index is never a multiple of 8)
+            pl_module.log("ln_placement/training_drift", self.last_training_drift, on_step=True, on_epoch=False)
         if self.training_drift is None:
             return spec.tolerance
         tolerance = torch.clamp(spec.training_drift_factor * self.training_drift, min=spec.tolerance)
