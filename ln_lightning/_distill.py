@@ -71,6 +71,7 @@ class Distillation:
         # adds no term, and a measured one weighs its term by `every` (the same pull per step on average).
         self.skip = False
         self.every = 1
+        self.endpoint = False  # set by the run: this step trains the end point (its KL is not the held blend's)
         self._in_step = False
         self.distilled_once = False  # a KL was added in this run (checked after the first step)
         self._last_kl: torch.Tensor | None = None  # the last measured step's, logged again on steps without a teacher
@@ -280,8 +281,9 @@ class Distillation:
             self._drift.append(kl.detach())
         if self.excess and positions:  # each forward's share of the loss: their excesses add up
             self._excesses.append(torch.stack([loss_excess(g, p[1], p[2]) for p, g in zip(positions, grads)]).sum())
-        self._last_kl = kl.detach()
-        self._module.log("ln_placement/distill_kl", self._last_kl, on_step=True, on_epoch=False)
+        if not self.endpoint:  # (an endpoint step's KL is the end point's: not what a held step should show)
+            self._last_kl = kl.detach()
+        self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)
         if not self.weight:  # measured for the closed loop only, not trained towards
             return out
         term = self.weight * self.every * kl

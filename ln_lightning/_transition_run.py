@@ -19,7 +19,7 @@ from lightning.pytorch import LightningModule, Trainer
 from ln_lightning._distill import Distillation
 from ln_lightning._warnings import info, warn
 from ln_lightning.placement import state as rewrite_state
-from ln_lightning.placement.spec import LOSS_BASELINE_STEPS, TransitionSpec
+from ln_lightning.placement.spec import LOSS_BASELINE_STEPS, TRAINING_DRIFT_EVERY, TransitionSpec
 from ln_lightning.placement.migrate.transition_control import endpoint_step
 
 log = logging.getLogger("ln_lightning.plugin")
@@ -52,6 +52,7 @@ class TransitionRun:
         self.distilled = False  # ... and whether ln_placement/distill_kl was logged during it (then logged 0)
         self.training_drift: torch.Tensor | None = None  # TransitionSpec.training_drift_factor: its smoothed measurement
         self.last_training_drift: torch.Tensor | None = None  # ... and its last measurement (device), as logged
+        self.last_tolerance: torch.Tensor | None = None  # ... and the drift tolerance it raised (device), as logged
         self.loss_gate = _LossGate(spec.loss_tolerance, spec.steps) if spec.loss_tolerance is not None else None
         self.excess: torch.Tensor | None = None  # TransitionSpec.excess_tolerance: the smoothed loss excess (device)
         self.logged_drift = False  # the closed loop's drift was measured and logged in this fit (teacher_every holds it)
@@ -114,6 +115,7 @@ class TransitionRun:
             self.distill.measure_training_drift = not self.over_budget and self.spec.measures_training_drift(done)
             # (from the step's index alone: the same on every rank, whether or not that rank's teacher still runs)
             self.distill.skip = not self.spec.runs_teacher(pl_module.trainer.global_step)
+            self.distill.endpoint = self.endpoint
 
     def end_step(self, trainer: Trainer, pl_module: LightningModule, stepped: bool) -> None:
         """After a training batch: end the first batch's measurement, and, if an optimizer stepped, move the blend."""
@@ -292,8 +294,19 @@ class TransitionRun:
             pl_module.log("ln_placement/loss_excess", self.excess.clone(), on_step=True, on_epoch=False)
         if self.loss_gate is not None and self.loss_gate.rise is not None:
             pl_module.log("ln_placement/loss_rise", self.loss_gate.rise.clone(), on_step=True, on_epoch=False)
+        self._log_held_tolerance(pl_module)
+
+    def _log_held_tolerance(self, pl_module: LightningModule) -> None:
+        """training_drift_factor: the last training drift measured and the tolerance it set, as the loop holds them."""
         if self.last_training_drift is not None:
             pl_module.log("ln_placement/training_drift", self.last_training_drift, on_step=True, on_epoch=False)
+        if self.last_tolerance is not None:
+            pl_module.log("ln_placement/tolerance", self.last_tolerance.clone(), on_step=True, on_epoch=False)
+
+    def _drift_tolerance(self):
+        """The drift tolerance the loop gated at last: the spec's, or the one training_drift_factor raised it to (a
+        device tensor)."""
+        return self.spec.tolerance if self.last_tolerance is None else self.last_tolerance
 
     def _revert_step(self, trainer: Trainer, t, allow: torch.Tensor | None) -> None:
         """A spent budget going back to blend 0 (TransitionSpec.revert_after_budget), one step, on the device: "ramp"
@@ -336,7 +349,8 @@ class TransitionRun:
         if drift is not None:  # (a step whose teacher was skipped, teacher_every, keeps the smoothed drift)
             t.observe(trainer.strategy.reduce(drift, reduce_op="mean"))
         pl_module.log("ln_placement/drift", t.drift.clone(), on_step=True, on_epoch=False)
-        allow = t.drift <= self.spec.tolerance
+        self._log_held_tolerance(pl_module)  # (training_drift_factor: no new measurement after the budget)
+        allow = t.drift <= self._drift_tolerance()
         if self.spec.excess_tolerance is not None:
             allow = allow & self._excess_gate(trainer, excess, t.blend.device)
             pl_module.log("ln_placement/loss_excess", self.excess.clone(), on_step=True, on_epoch=False)
@@ -380,6 +394,7 @@ class TransitionRun:
         if self.training_drift is None:
             return spec.tolerance
         tolerance = torch.clamp(spec.training_drift_factor * self.training_drift, min=spec.tolerance)
+        self.last_tolerance = tolerance.detach()
         pl_module.log("ln_placement/tolerance", tolerance.clone(), on_step=True, on_epoch=False)
         return tolerance
 
@@ -392,6 +407,8 @@ class TransitionRun:
             self.retreat_left = self._ramp_steps(a)
         self.unfinished = {"steps": t.steps, "steps_done": t.host_steps, "blend": a, "finished": False,
                            "tolerance": spec.tolerance, "budget_needed": need, "stalled_since": self.pace.still_since,
+                           # (training_drift_factor: the tolerance the loop gated at last, one read)
+                           "tolerance_reached": None if self.last_tolerance is None else float(self.last_tolerance),
                            "distill_after_budget": self._distills_after_budget(),
                            "revert_after_budget": spec.revert_after_budget}
         if self.loss_gate is not None:
@@ -407,6 +424,8 @@ class TransitionRun:
                   + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
                   + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
                   + (f", teacher_every={spec.teacher_every}" if spec.teacher_every != 1 else "")
+                  + (f", training_drift_factor={spec.training_drift_factor:g}" if spec.training_drift_factor is not None else "")
+                  + (f", training_drift_every={spec.training_drift_every}" if spec.training_drift_every != TRAINING_DRIFT_EVERY else "")
                   + "))")
         distilling = f", distilling towards {self._reference}" if spec.distill_after_budget else ""
         if spec.revert_after_budget is None and need is None:  # the blend stopped moving: more steps alone did not help
@@ -454,7 +473,9 @@ class TransitionRun:
         return (f"LNPlacement(..., transition=TransitionSpec(steps={steps}, tolerance={tolerance:g}"
                 + (f", loss_tolerance={loss:g}" if loss is not None else "")
                 + (f", excess_tolerance={excess:g}" if excess not in (None, math.inf) else "")
-                + (f", teacher_every={spec.teacher_every}" if spec.teacher_every != 1 else "") + "))")
+                + (f", teacher_every={spec.teacher_every}" if spec.teacher_every != 1 else "")
+                + (f", training_drift_factor={spec.training_drift_factor:g}" if spec.training_drift_factor is not None else "")
+                + (f", training_drift_every={spec.training_drift_every}" if spec.training_drift_every != TRAINING_DRIFT_EVERY else "") + "))")
 
     def _ramp_steps(self, a: float) -> int:
         return max(1, math.ceil(a / self.spec.rate() - 1e-6))
@@ -464,9 +485,17 @@ class TransitionRun:
         """What the drift, the loss excess and the distillation compare the model with, in a warning's words."""
         return "the model's own function at blend 0" if self.spec.reference == "current" else "the trained function"
 
+    def _drift_tolerance_words(self) -> str:
+        """The drift tolerance the loop gated at, in a warning's words (training_drift_factor: one host read)."""
+        spec = self.spec
+        if self.last_tolerance is None:
+            return f"{spec.tolerance:g}"
+        return (f"{float(self.last_tolerance):.3g}: {spec.tolerance:g} raised by training_drift_factor="
+                f"{spec.training_drift_factor:g} to follow the training drift")
+
     def _tolerances(self) -> str:
         spec = self.spec
-        words = f"drift tolerance {spec.tolerance:g}"
+        words = f"drift tolerance {self._drift_tolerance_words()}"
         if spec.loss_tolerance is not None:
             words += f", loss tolerance {spec.loss_tolerance:g}"
         if spec.excess_tolerance is not None and math.isfinite(spec.excess_tolerance):
@@ -492,7 +521,7 @@ class TransitionRun:
             return (f"the blend has not moved{since}: the training loss stays {rise:.3g} above where the transition "
                     f"started, over the loss tolerance ({self.spec.loss_tolerance:g}), faster than training brings it back")
         return (f"the blend has not moved{since}: the drift from {self._reference} stays above the tolerance "
-                f"({self.spec.tolerance:g}) faster than training brings it back")
+                f"({self._drift_tolerance_words()}) faster than training brings it back")
 
     @staticmethod
     def _warn_no_distillation(trainer: Trainer, reason: str, t=None, loss_tolerance: float | None = None,

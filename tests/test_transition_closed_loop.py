@@ -278,6 +278,60 @@ def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(t
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
 
 
+def _logged_by_step(root: Path, name: str) -> dict[int, float]:
+    """{step: value} of what a CSVLogger under `root` logged for `name`."""
+    import csv
+    with open(next(root.rglob("metrics.csv"))) as f:
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name) not in (None, "")}
+
+
+def test_a_raised_tolerance_is_shown_on_every_step_and_named_where_the_budget_ends(tmp_path):
+    """training_drift_factor with endpoint steps and a budget spent short of blend 1 (a gated return after it):
+    ln_placement/tolerance and training_drift are on every step from the first measurement (endpoint steps and steps
+    after the budget included, as last measured); the budget-end warning names the tolerance the loop gated at,
+    offers a spec that keeps training_drift_factor, and the report says it."""
+    from ln_lightning.placement.migrate.transition_control import endpoint_step
+    spec = dict(steps=10, tolerance=1e-5, endpoint_fraction=0.5, training_drift_factor=0.3, training_drift_every=2,
+                revert_after_budget="gated")
+    assert any(endpoint_step(i, 10, 0.5) for i in range(2, 10))  # (the fit below has endpoint steps past step 2)
+    with pytest.warns(LNLightningWarning, match="spent its budget") as caught:
+        plugin = LNPlacement("pre", transition=TransitionSpec(**spec), fused=False)  # (the report JSON on)
+        logged_trainer(tmp_path, plugin, 14).fit(LM("demo", lr=1e-2), train_dataloaders=loader())
+    tolerance = _logged_by_step(tmp_path, "ln_placement/tolerance")
+    drift = _logged_by_step(tmp_path, "ln_placement/training_drift")
+    first = min(drift)  # the first measurement (step 2), taken on the first step after it that gates
+    assert first == min(i for i in range(2, 10) if not endpoint_step(i, 10, 0.5))
+    assert sorted(tolerance) == sorted(drift) == list(range(first, 14))
+    raised = tolerance[9]  # the last step of the budget
+    assert raised > 1e-3
+    message = next(str(w.message) for w in caught if "spent its budget" in str(w.message))
+    assert f"drift tolerance {raised:.3g}: 1e-05 raised by training_drift_factor=0.3" in message, message
+    assert "training_drift_factor=0.3, training_drift_every=2))" in message, message
+    report = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())
+    assert report["transition"]["tolerance_reached"] == pytest.approx(raised, rel=1e-6)
+
+
+def test_a_step_without_a_teacher_after_an_endpoint_step_shows_the_held_blends_kl(tmp_path):
+    """teacher_every=2 with endpoint steps: an endpoint step logs its own KL (the end point's, the term it trains),
+    and the step without a teacher after it shows the last KL measured at the held blend, not the end point's."""
+    from ln_lightning.placement.migrate.transition_control import endpoint_step
+    spec = dict(steps=16, tolerance=1e-5, endpoint_fraction=0.5, teacher_every=2)
+    ends = [i for i in range(0, 16, 2) if endpoint_step(i, 16, 0.5)]
+    assert ends and ends[0] > 0 and ends[0] + 1 < 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LNLightningWarning)
+        logged_trainer(tmp_path, _plugin(**spec), 16).fit(LM("demo", lr=0.0), train_dataloaders=loader())
+    kl = _logged_by_step(tmp_path, "ln_placement/distill_kl")
+    assert sorted(kl) == list(range(16))
+    held = None
+    for step in range(16):
+        if step % 2 == 0 and not endpoint_step(step, 16, 0.5):
+            held = kl[step]
+        elif step % 2 == 1:
+            assert kl[step] == held, (step, kl)
+    assert any(kl[e] != kl[e + 1] for e in ends)  # an end point's KL differs from the held blend's
+
+
 def test_teacher_every_shows_its_measurements_on_logging_steps_that_fall_on_steps_without_a_teacher(tmp_path, teacher_runs):
     """teacher_every=2 with log_every_n_steps=2: every logging step (Lightning's 2nd, 4th, ... batch, global_step odd)
     falls on a step without a teacher. The dashboard shows the drift, the loss excess and distill_kl as last

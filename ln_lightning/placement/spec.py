@@ -37,6 +37,8 @@ DRIFT_POSITIONS = ("all", "loss")
 REVERTS = (None, "ramp", "gated")
 # TransitionSpec.excess_tolerance's default in the closed loop (migrate_suite order 14: the goal's 0.03 less a third).
 EXCESS_TOLERANCE = 0.02
+# TransitionSpec.training_drift_every's default: the optimizer steps between two measurements of the training drift.
+TRAINING_DRIFT_EVERY = 8
 # TransitionSpec.teacher_every's default: the teacher on every optimizer step.
 TEACHER_EVERY = 1
 
@@ -205,7 +207,7 @@ class TransitionSpec:
     distill: float = 1.0
     reference: str = "trained"
     training_drift_factor: float | None = None
-    training_drift_every: int = 8
+    training_drift_every: int = TRAINING_DRIFT_EVERY
     loss_tolerance: float | None = None
     drift_positions: str | None = None  # "loss" in the closed loop, "all" in the open loop
     excess_tolerance: float | None = None  # EXCESS_TOLERANCE in the closed loop, off in the open loop
