@@ -42,6 +42,10 @@ class TransitionRun:
         self.over_budget = False  # a closed loop spent its budget short of blend 1 (it holds the blend it reached)
         self.warned_pace = False  # ... and said, past a quarter of its budget, that it would
         self.pace = _Pace()  # its blend as read, for that
+        # ... and, on the device, the steps done when the blend last moved (with the blend it moved to), so a stall is
+        # told from a slow pace however far apart the reads are (None until the first closed-loop step)
+        self.moved_at: torch.Tensor | None = None
+        self._blend_seen: torch.Tensor | None = None
         self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
         # TransitionSpec.revert_after_budget: a spent budget going back to blend 0 ("ramp": the steps that takes, counted
         # on the host; "gated": None, the blend is read on logging steps), and the steps since the budget's end.
@@ -61,6 +65,8 @@ class TransitionRun:
     def start(self, trainer: Trainer, pl_module: LightningModule, t) -> None:
         """Training starts (the trained weights and a resumed checkpoint's teacher are in; no step has run)."""
         spec = self.spec
+        if t.closed:
+            self._start_pace(t)
         if t.closed and t.host_steps >= t.steps:  # a second fit of a transition that spent its budget
             self._warn_over_budget(trainer, t, float(t.blend))
         if self.loss_gate is not None and t.host_steps > 0:
@@ -195,17 +201,30 @@ class TransitionRun:
         return self.distill.checkpoint_state()
 
     def checkpoint_state(self, pl_module: LightningModule) -> dict | None:
-        """The smoothed loss excess for a checkpoint, while the model is in a transition that measures it (a device
+        """What a resumed fit needs to go on as this one would, while the model is in a transition: the smoothed
+        loss excess, and the closed loop's pace (the host's reads, and the step the blend last moved at, a device
         tensor: no host read)."""
         state = rewrite_state.of(pl_module)
-        if state is None or state.transition is None or self.excess is None:
+        if state is None or state.transition is None:
             return None
-        return {"excess": self.excess.detach().clone()}
+        entry = {}
+        if self.excess is not None:
+            entry["excess"] = self.excess.detach().clone()
+        if self.moved_at is not None:
+            entry["pace"] = {"reads": [list(r) for r in self.pace.reads], "still_since": self.pace.still_since,
+                             "moved_at": self.moved_at.detach().clone()}
+        return entry or None
 
     def restore(self, entry: dict | None) -> None:
-        """The ckpt_path checkpoint's `checkpoint_state`, before the first step (None: this fit starts afresh)."""
+        """The ckpt_path checkpoint's `checkpoint_state`, before the first step (None: this fit starts afresh; a
+        checkpoint written before the pace was kept: its reads start at the resume, see `start`)."""
         if entry and isinstance(entry.get("excess"), torch.Tensor):
             self.excess = entry["excess"].detach().float()
+        pace = entry.get("pace") if entry else None
+        if isinstance(pace, dict) and isinstance(pace.get("moved_at"), torch.Tensor):
+            self.pace.reads = [(int(d), float(a)) for d, a in pace["reads"]]
+            self.pace.still_since = pace["still_since"]
+            self.moved_at = pace["moved_at"].detach()
 
     def final_entry(self, progress: tuple[int, int, float] | None) -> dict | None:
         """The report JSON's "transition" entry at the fit's end, where this run knows it (else None)."""
@@ -267,13 +286,16 @@ class TransitionRun:
             # holds what it holds, else a logging step that falls on such a step (every one, for teacher_every 2 and
             # an even log_every_n_steps) would show no drift
             self._log_held(pl_module, t)
+        self._track_move(t)
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
         done = t.host_steps + 1
         a = state.advance(pl_module, check=done % every == 0)
         if a is None or a >= 1.0:
             return a
         steps = state.transition.steps
-        need = self.pace.update(done, a, steps)  # the budget the recent pace needs (None: the blend has stopped moving)
+        # the budget the recent pace needs (None: the blend has stopped moving); where it last moved: a second read,
+        # on the steps that read the blend only
+        need = self.pace.update(done, a, steps, int(self.moved_at))
         if done >= steps:
             self._warn_over_budget(trainer, t, a)
             if distill is not None and distill.active and (
@@ -286,6 +308,24 @@ class TransitionRun:
                      f"{self.placement}-norm stands at blend {a:.3g}: {self._pace_words(need)}. Unless "
                      "that changes it will stop where it stands at the budget's end, not finish.")
         return a
+
+    def _start_pace(self, t) -> None:
+        """A closed loop's pace at the fit's start: as the checkpoint kept it, else from where the transition stands
+        (one read, for a transition resumed from a checkpoint that did not keep it)."""
+        if self.moved_at is not None:
+            self.moved_at = self.moved_at.to(t.blend.device)
+        else:
+            self.moved_at = t.steps_done.clone()
+            if t.host_steps > 0:  # (not known when it last moved before: from the resume on)
+                self.pace.reads = [(t.host_steps, float(t.blend))]
+                self.pace.origin = t.host_steps
+        self._blend_seen = t.blend.clone()
+
+    def _track_move(self, t) -> None:
+        """After the gate, on the device: the step count at which the blend last moved."""
+        moved = t.blend != self._blend_seen
+        self.moved_at = torch.where(moved, t.steps_done + 1, self.moved_at)  # (+1: this step, counted below)
+        self._blend_seen = t.blend.clone()
 
     def _log_held(self, pl_module: LightningModule, t) -> None:
         """Log the closed loop's smoothed measurements as it holds them, on a step that measured nothing."""
@@ -400,7 +440,7 @@ class TransitionRun:
 
     def _warn_over_budget(self, trainer: Trainer, t, a: float) -> None:
         spec = self.spec
-        need = self.pace.update(t.host_steps, a, t.steps)
+        need = self.pace.update(t.host_steps, a, t.steps, None if self.moved_at is None else int(self.moved_at))
         self.over_budget = True
         self.reverting = bool(spec.revert_after_budget) and a > 0.0
         if self.reverting and spec.revert_after_budget == "ramp":  # (host arithmetic from the one read at the budget's end)
@@ -511,6 +551,8 @@ class TransitionRun:
         if need is not None:
             return f"at its recent pace it needs about {need} steps in all"
         since = "" if self.pace.still_since is None else f" since step {self.pace.still_since}"
+        if self.pace.origin and self.pace.still_since == self.pace.origin:
+            since += " (where this fit resumed: its checkpoint did not keep the steps before)"
         rise = None if self.loss_gate is None else self.loss_gate.read()
         excess = None if self.spec.excess_tolerance is None else self._excess_read()
         if excess is not None and excess > self.spec.excess_tolerance:
@@ -572,14 +614,21 @@ class _Pace:
     def __init__(self):
         self.reads: list[tuple[int, float]] = [(0, 0.0)]
         self.still_since: int | None = None  # the step from which the blend has not moved
+        self.origin = 0  # the step the reads start at (a resume from a checkpoint that did not keep them)
 
-    def update(self, done: int, blend: float, budget: int) -> int | None:
+    def update(self, done: int, blend: float, budget: int, moved_at: int | None = None) -> int | None:
         """The pace over the last tenth of the budget at least (so an endpoint step, which holds the blend, or
-        a short hold is not a stall), from the latest read at or before that span's start."""
+        a short hold is not a stall), from the latest read at or before that span's start. `moved_at` (the steps
+        done when the blend last moved, counted on the device every step): a blend that has not moved for that
+        span is stalled since then, however far apart the reads are (a budget shorter than log_every_n_steps reads
+        only at its end)."""
         if done > self.reads[-1][0]:
             self.reads.append((done, blend))
         d1, a1 = self.reads[-1]
         span = max(1, budget // 10)
+        if moved_at is not None and d1 - moved_at >= span:
+            self.still_since = moved_at
+            return None
         d0, a0 = next(((d, a) for d, a in reversed(self.reads[:-1]) if d <= d1 - span), self.reads[0])
         if a1 > a0:
             self.still_since = None

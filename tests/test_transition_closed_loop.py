@@ -311,6 +311,32 @@ def test_a_raised_tolerance_is_shown_on_every_step_and_named_where_the_budget_en
     assert report["transition"]["tolerance_reached"] == pytest.approx(raised, rel=1e-6)
 
 
+def test_a_stall_is_told_from_a_slow_pace_however_sparse_the_reads_and_after_a_resume(tmp_path):
+    """A blend held from step 1 on (lr 0, a tolerance no blend meets) with log_every_n_steps=50 and a 10-step
+    budget: the host reads the blend only at the budget's end. The budget-end warning and the report say it has
+    not moved since step 1 (before: "needs about 38 steps", from the one read and the origin, with the advice of a
+    larger budget, which a stall does not take), uninterrupted and resumed from a checkpoint written at step 4."""
+    spec = dict(steps=10, tolerance=1e-5, endpoint_fraction=0.0)
+
+    def fit(root, max_steps, ckpt_path=None):
+        with pytest.warns(LNLightningWarning) as caught:
+            logged_trainer(root, LNPlacement("pre", transition=TransitionSpec(**spec), fused=False), max_steps,
+                           log_every_n_steps=50).fit(LM("demo", lr=0.0), train_dataloaders=loader(), ckpt_path=ckpt_path)
+        spent = [str(w.message) for w in caught if "spent its budget" in str(w.message)]
+        assert len(spent) == 1 and "has not moved since step 1:" in spent[0] and "needs about" not in spent[0], spent
+        final = json.loads(next((root / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
+        assert final["stalled_since"] == 1 and final["budget_needed"] is None
+
+    fit(tmp_path / "straight", 12)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LNLightningWarning)
+        logged_trainer(tmp_path / "first", _plugin(**spec), 4, log_every_n_steps=50, callbacks=[ckpt],
+                       enable_checkpointing=True).fit(
+            LM("demo", lr=0.0), train_dataloaders=loader())
+    fit(tmp_path / "resumed", 12, ckpt_path=next((tmp_path / "ck").glob("*step=4*.ckpt")))  # the checkpoint kept the pace
+
+
 def test_a_step_without_a_teacher_after_an_endpoint_step_shows_the_held_blends_kl(tmp_path):
     """teacher_every=2 with endpoint steps: an endpoint step logs its own KL (the end point's, the term it trains),
     and the step without a teacher after it shows the last KL measured at the held blend, not the end point's."""
