@@ -39,7 +39,11 @@ import torch
 # built, nothing else running; the Python loop 1.66 s, importing lightning.pytorch 11.4 s, a sum of 166 worker-s of test
 # durations): 125 s wall (117 s in pytest). Measured again on 2026-12-07 evening (1,193 tests, nothing else running, the
 # Python loop 1.16 s, importing lightning.pytorch 8.5-9.1 s of CPU, every module from its .pyc): 89.5 s wall, and 98.4 s
-# in pytest on a second run. The issue's 60 s held on the idle day only.
+# in pytest on a second run. Measured again on 2026-12-07 night (a fresh boot, the checkout's venv built anew, the kernel
+# cache built; 1,199 tests, nothing else running): 94.8 s wall with the Python loop at 1.07 s, then 109.6 and 101.5 s
+# (94-103 s in pytest) with it at 1.77 s; importing lightning.pytorch 8.0 s; a sum of 123 worker-s of test durations
+# (no test above 3.7 s: the time is spread over many) and 12.6-17 s of collection per worker (Lightning's import pulls
+# in torchmetrics, transformers and matplotlib). The issue's 60 s held on the idle day only.
 torch.set_num_threads(1)
 
 # CI (CI=true) runs the property tests on hypothesis' fixed, derandomized examples, so a run's result is
