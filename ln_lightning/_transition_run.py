@@ -45,6 +45,8 @@ class TransitionRun:
         # ... and, on the device, the steps done when the blend last moved (with the blend it moved to), so a stall is
         # told from a slow pace however far apart the reads are (None until the first closed-loop step)
         self.moved_at: torch.Tensor | None = None
+        self.holds: torch.Tensor | None = None  # ... and the steps since that gated and held it (endpoint and
+        # teacher_every's steps without a teacher hold it without a verdict: not counted, so they are no stall)
         self._blend_seen: torch.Tensor | None = None
         self.unfinished: dict | None = None  # what the report JSON adds for a closed loop stopped by its budget
         # TransitionSpec.revert_after_budget: a spent budget going back to blend 0 ("ramp": the steps that takes, counted
@@ -212,7 +214,11 @@ class TransitionRun:
             entry["excess"] = self.excess.detach().clone()
         if self.moved_at is not None:
             entry["pace"] = {"reads": [list(r) for r in self.pace.reads], "still_since": self.pace.still_since,
-                             "moved_at": self.moved_at.detach().clone()}
+                             "moved_at": self.moved_at.detach().clone(), "holds": self.holds.detach().clone()}
+        if self.last_tolerance is not None:  # training_drift_factor: not measured again after the budget
+            entry["tolerance"] = {"training_drift": self.training_drift.detach().clone(),
+                                  "last_training_drift": self.last_training_drift.detach().clone(),
+                                  "last_tolerance": self.last_tolerance.detach().clone()}
         return entry or None
 
     def restore(self, entry: dict | None) -> None:
@@ -224,7 +230,12 @@ class TransitionRun:
         if isinstance(pace, dict) and isinstance(pace.get("moved_at"), torch.Tensor):
             self.pace.reads = [(int(d), float(a)) for d, a in pace["reads"]]
             self.pace.still_since = pace["still_since"]
-            self.moved_at = pace["moved_at"].detach()
+            self.moved_at, self.holds = pace["moved_at"].detach(), pace["holds"].detach()
+        raised = entry.get("tolerance") if entry else None
+        if isinstance(raised, dict) and all(isinstance(v, torch.Tensor) for v in raised.values()):
+            self.training_drift = raised["training_drift"].detach()
+            self.last_training_drift = raised["last_training_drift"].detach()
+            self.last_tolerance = raised["last_tolerance"].detach()
 
     def final_entry(self, progress: tuple[int, int, float] | None) -> dict | None:
         """The report JSON's "transition" entry at the fit's end, where this run knows it (else None)."""
@@ -286,7 +297,7 @@ class TransitionRun:
             # holds what it holds, else a logging step that falls on such a step (every one, for teacher_every 2 and
             # an even log_every_n_steps) would show no drift
             self._log_held(pl_module, t)
-        self._track_move(t)
+        self._track_move(t, gated=not self.endpoint and not skipped)
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
         done = t.host_steps + 1
         a = state.advance(pl_module, check=done % every == 0)
@@ -295,7 +306,7 @@ class TransitionRun:
         steps = state.transition.steps
         # the budget the recent pace needs (None: the blend has stopped moving); where it last moved: a second read,
         # on the steps that read the blend only
-        need = self.pace.update(done, a, steps, int(self.moved_at))
+        need = self.pace.update(done, a, steps, self._moves())
         if done >= steps:
             self._warn_over_budget(trainer, t, a)
             if distill is not None and distill.active and (
@@ -313,19 +324,34 @@ class TransitionRun:
         """A closed loop's pace at the fit's start: as the checkpoint kept it, else from where the transition stands
         (one read, for a transition resumed from a checkpoint that did not keep it)."""
         if self.moved_at is not None:
-            self.moved_at = self.moved_at.to(t.blend.device)
+            self.moved_at, self.holds = self.moved_at.to(t.blend.device), self.holds.to(t.blend.device)
+            if self.last_tolerance is not None:
+                self.training_drift = self.training_drift.to(t.blend.device)
+                self.last_training_drift = self.last_training_drift.to(t.blend.device)
+                self.last_tolerance = self.last_tolerance.to(t.blend.device)
         else:
-            self.moved_at = t.steps_done.clone()
+            self.moved_at, self.holds = t.steps_done.clone(), torch.zeros_like(t.steps_done)
             if t.host_steps > 0:  # (not known when it last moved before: from the resume on)
                 self.pace.reads = [(t.host_steps, float(t.blend))]
                 self.pace.origin = t.host_steps
         self._blend_seen = t.blend.clone()
 
-    def _track_move(self, t) -> None:
-        """After the gate, on the device: the step count at which the blend last moved."""
+    def _track_move(self, t, gated: bool) -> None:
+        """After a step that gated the blend, on the device: the step count at which it last moved, and the gated
+        steps since that held it."""
+        if not gated:
+            return
         moved = t.blend != self._blend_seen
         self.moved_at = torch.where(moved, t.steps_done + 1, self.moved_at)  # (+1: this step, counted below)
+        self.holds = torch.where(moved, torch.zeros_like(self.holds), self.holds + 1)
         self._blend_seen = t.blend.clone()
+
+    def _moves(self) -> tuple[int, int] | None:
+        """(the step the blend last moved at, the gated steps that held it since): one host read."""
+        if self.moved_at is None:
+            return None
+        moved_at, holds = torch.stack([self.moved_at, self.holds]).tolist()
+        return int(moved_at), int(holds)
 
     def _log_held(self, pl_module: LightningModule, t) -> None:
         """Log the closed loop's smoothed measurements as it holds them, on a step that measured nothing."""
@@ -440,7 +466,7 @@ class TransitionRun:
 
     def _warn_over_budget(self, trainer: Trainer, t, a: float) -> None:
         spec = self.spec
-        need = self.pace.update(t.host_steps, a, t.steps, None if self.moved_at is None else int(self.moved_at))
+        need = self.pace.update(t.host_steps, a, t.steps, self._moves())
         self.over_budget = True
         self.reverting = bool(spec.revert_after_budget) and a > 0.0
         if self.reverting and spec.revert_after_budget == "ramp":  # (host arithmetic from the one read at the budget's end)
@@ -552,7 +578,7 @@ class TransitionRun:
             return f"at its recent pace it needs about {need} steps in all"
         since = "" if self.pace.still_since is None else f" since step {self.pace.still_since}"
         if self.pace.origin and self.pace.still_since == self.pace.origin:
-            since += " (where this fit resumed: its checkpoint did not keep the steps before)"
+            since += " (where this fit started: the steps before are not known to it)"
         rise = None if self.loss_gate is None else self.loss_gate.read()
         excess = None if self.spec.excess_tolerance is None else self._excess_read()
         if excess is not None and excess > self.spec.excess_tolerance:
@@ -616,18 +642,18 @@ class _Pace:
         self.still_since: int | None = None  # the step from which the blend has not moved
         self.origin = 0  # the step the reads start at (a resume from a checkpoint that did not keep them)
 
-    def update(self, done: int, blend: float, budget: int, moved_at: int | None = None) -> int | None:
+    def update(self, done: int, blend: float, budget: int, moves: tuple[int, int] | None = None) -> int | None:
         """The pace over the last tenth of the budget at least (so an endpoint step, which holds the blend, or
-        a short hold is not a stall), from the latest read at or before that span's start. `moved_at` (the steps
-        done when the blend last moved, counted on the device every step): a blend that has not moved for that
-        span is stalled since then, however far apart the reads are (a budget shorter than log_every_n_steps reads
-        only at its end)."""
+        a short hold is not a stall), from the latest read at or before that span's start. `moves` (the steps done
+        when the blend last moved, and the steps since whose gate held it, counted on the device): a blend its gate
+        held for that span is stalled since it last moved, however far apart the reads are (a budget shorter than
+        log_every_n_steps reads only at its end)."""
         if done > self.reads[-1][0]:
             self.reads.append((done, blend))
         d1, a1 = self.reads[-1]
         span = max(1, budget // 10)
-        if moved_at is not None and d1 - moved_at >= span:
-            self.still_since = moved_at
+        if moves is not None and moves[1] >= span:
+            self.still_since = moves[0]
             return None
         d0, a0 = next(((d, a) for d, a in reversed(self.reads[:-1]) if d <= d1 - span), self.reads[0])
         if a1 > a0:

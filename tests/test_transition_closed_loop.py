@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import sys
 import warnings
@@ -335,6 +336,48 @@ def test_a_stall_is_told_from_a_slow_pace_however_sparse_the_reads_and_after_a_r
                        enable_checkpointing=True).fit(
             LM("demo", lr=0.0), train_dataloaders=loader())
     fit(tmp_path / "resumed", 12, ckpt_path=next((tmp_path / "ck").glob("*step=4*.ckpt")))  # the checkpoint kept the pace
+
+
+def test_holds_without_a_verdict_are_no_stall(tmp_path):
+    """A blend that moves on every step whose gate runs (a tolerance that never binds) in a 15-step budget, its
+    last steps endpoint steps (which hold the blend without a verdict): spent short of 1, the warning and the
+    report give the pace it needs, not a stall (a second reader's case against the first form of the device count,
+    which counted every step since the last move)."""
+    from ln_lightning.placement.migrate.transition_control import endpoint_step
+    assert endpoint_step(13, 15, 0.25) and endpoint_step(14, 15, 0.25)
+    spec = TransitionSpec(steps=15, tolerance=1e9, ramp=1.0, excess_tolerance=math.inf)
+    with pytest.warns(LNLightningWarning, match="spent its budget") as caught:
+        logged_trainer(tmp_path, LNPlacement("pre", transition=spec, fused=False), 15, log_every_n_steps=50).fit(
+            LM("demo", lr=0.0), train_dataloaders=loader())
+    spent = next(str(w.message) for w in caught if "spent its budget" in str(w.message))
+    assert "at its recent pace it needs about 16 steps" in spent, spent
+    final = json.loads(next((tmp_path / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
+    assert final["budget_needed"] == 16 and final["stalled_since"] is None
+
+
+def test_a_fit_resumed_after_the_budget_keeps_the_raised_tolerance(tmp_path):
+    """training_drift_factor's raised tolerance is not measured again after the budget: a fit resumed from a
+    checkpoint written after it reports, logs and gates at the tolerance the uninterrupted fit does."""
+    spec = dict(steps=10, tolerance=1e-5, endpoint_fraction=0.5, training_drift_factor=0.3, training_drift_every=2,
+                revert_after_budget="gated")
+
+    def fit(root, max_steps, **kw):
+        plugin = LNPlacement("pre", transition=TransitionSpec(**spec), fused=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LNLightningWarning)
+            ckpt_path = kw.pop("ckpt_path", None)
+            logged_trainer(root, plugin, max_steps, **kw).fit(LM("demo", lr=1e-2), train_dataloaders=loader(),
+                                                              ckpt_path=ckpt_path)
+        final = json.loads(next((root / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
+        return final["tolerance_reached"], _logged_by_step(root, "ln_placement/tolerance")
+
+    straight, straight_logged = fit(tmp_path / "straight", 16)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=11, save_top_k=-1)
+    fit(tmp_path / "first", 11, callbacks=[ckpt], enable_checkpointing=True)
+    resumed, resumed_logged = fit(tmp_path / "resumed", 16, ckpt_path=next((tmp_path / "ck").glob("*step=11*.ckpt")))
+    assert straight is not None and resumed == pytest.approx(straight, rel=1e-6)
+    assert sorted(resumed_logged) == list(range(11, 16))
+    assert [resumed_logged[i] for i in range(11, 16)] == pytest.approx([straight_logged[i] for i in range(11, 16)], rel=1e-6)
 
 
 def test_a_step_without_a_teacher_after_an_endpoint_step_shows_the_held_blends_kl(tmp_path):
