@@ -42,8 +42,8 @@ class TransitionRun:
         self.over_budget = False  # a closed loop spent its budget short of blend 1 (it holds the blend it reached)
         self.warned_pace = False  # ... and said, past a quarter of its budget, that it would
         self.pace = _Pace()  # its blend as read, for that
-        # ... and, on the device, the steps done when the blend last moved (with the blend it moved to), so a stall is
-        # told from a slow pace however far apart the reads are (None until the first closed-loop step)
+        # ... and, on the device, the steps done when the blend last moved, so a stall is told from a slow pace
+        # however far apart the reads are (None until the closed loop's fit starts)
         self.moved_at: torch.Tensor | None = None
         self.holds: torch.Tensor | None = None  # ... and the steps since that gated and held it (endpoint and
         # teacher_every's steps without a teacher hold it without a verdict: not counted, so they are no stall)
@@ -204,8 +204,8 @@ class TransitionRun:
 
     def checkpoint_state(self, pl_module: LightningModule) -> dict | None:
         """What a resumed fit needs to go on as this one would, while the model is in a transition: the smoothed
-        loss excess, and the closed loop's pace (the host's reads, and the step the blend last moved at, a device
-        tensor: no host read)."""
+        loss excess, the closed loop's pace (the host's reads; the step the blend last moved at and the gated steps
+        that held it since) and training_drift_factor's raised tolerance (device tensors: no host read)."""
         state = rewrite_state.of(pl_module)
         if state is None or state.transition is None:
             return None
@@ -230,7 +230,9 @@ class TransitionRun:
         if isinstance(pace, dict) and isinstance(pace.get("moved_at"), torch.Tensor):
             self.pace.reads = [(int(d), float(a)) for d, a in pace["reads"]]
             self.pace.still_since = pace["still_since"]
-            self.moved_at, self.holds = pace["moved_at"].detach(), pace["holds"].detach()
+            self.moved_at = pace["moved_at"].detach()
+            held = pace.get("holds")  # (a89f17c's entry had none: counted from the resume)
+            self.holds = held.detach() if isinstance(held, torch.Tensor) else torch.zeros_like(self.moved_at)
         raised = entry.get("tolerance") if entry else None
         if isinstance(raised, dict) and all(isinstance(v, torch.Tensor) for v in raised.values()):
             self.training_drift = raised["training_drift"].detach()
