@@ -115,6 +115,12 @@ def csv_column(root: Path, name: str) -> list[float]:
         return [float(r[name]) for r in csv.DictReader(f) if r.get(name) not in (None, "")]
 
 
+def csv_by_step(root: Path, name: str) -> dict[int, float]:
+    """{step: value} of what a CSVLogger under `root` logged for `name` (one row per step: a fit's ln_placement/*)."""
+    with open(next(root.rglob("metrics.csv"))) as f:
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name) not in (None, "")}
+
+
 class BlendRecorder(Callback):
     """The blend each training step ran with (after LNPlacement's per-step hook: it is the first callback)."""
 

@@ -17,7 +17,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.overrides import TorchFunctionMode
 
-from _helpers_transition import LM, BlendRecorder, batch, csv_column, loader, logged_trainer, rel, trainer
+from _helpers_transition import LM, BlendRecorder, batch, csv_by_step, csv_column, loader, logged_trainer, rel, trainer
 from ln_lightning import LNLightningDeprecationWarning, LNLightningWarning, TransitionSpec
 from ln_lightning import _distill
 from ln_lightning.demo import PostNormTransformerLM
@@ -279,13 +279,6 @@ def test_distill_after_budget_keeps_the_teacher_after_the_budget_and_on_resume(t
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-6, atol=1e-7), k
 
 
-def _logged_by_step(root: Path, name: str) -> dict[int, float]:
-    """{step: value} of what a CSVLogger under `root` logged for `name`."""
-    import csv
-    with open(next(root.rglob("metrics.csv"))) as f:
-        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name) not in (None, "")}
-
-
 def test_a_raised_tolerance_is_shown_on_every_step_and_named_where_the_budget_ends(tmp_path):
     """training_drift_factor with endpoint steps and a budget spent short of blend 1 (a gated return after it):
     ln_placement/tolerance and training_drift are on every step from the first measurement (endpoint steps and steps
@@ -298,8 +291,8 @@ def test_a_raised_tolerance_is_shown_on_every_step_and_named_where_the_budget_en
     with pytest.warns(LNLightningWarning, match="spent its budget") as caught:
         plugin = LNPlacement("pre", transition=TransitionSpec(**spec), fused=False)  # (the report JSON on)
         logged_trainer(tmp_path, plugin, 14).fit(LM("demo", lr=1e-2), train_dataloaders=loader())
-    tolerance = _logged_by_step(tmp_path, "ln_placement/tolerance")
-    drift = _logged_by_step(tmp_path, "ln_placement/training_drift")
+    tolerance = csv_by_step(tmp_path, "ln_placement/tolerance")
+    drift = csv_by_step(tmp_path, "ln_placement/training_drift")
     first = min(drift)  # the first measurement (step 2), taken on the first step after it that gates
     assert first == min(i for i in range(2, 10) if not endpoint_step(i, 10, 0.5))
     assert sorted(tolerance) == sorted(drift) == list(range(first, 14))
@@ -369,7 +362,7 @@ def test_a_fit_resumed_after_the_budget_keeps_the_raised_tolerance(tmp_path):
             logged_trainer(root, plugin, max_steps, **kw).fit(LM("demo", lr=1e-2), train_dataloaders=loader(),
                                                               ckpt_path=ckpt_path)
         final = json.loads(next((root / "logs").rglob(REPORT_FILENAME)).read_text())["transition"]
-        return final["tolerance_reached"], _logged_by_step(root, "ln_placement/tolerance")
+        return final["tolerance_reached"], csv_by_step(root, "ln_placement/tolerance")
 
     straight, straight_logged = fit(tmp_path / "straight", 16)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=11, save_top_k=-1)
@@ -390,7 +383,7 @@ def test_a_step_without_a_teacher_after_an_endpoint_step_shows_the_held_blends_k
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LNLightningWarning)
         logged_trainer(tmp_path, _plugin(**spec), 16).fit(LM("demo", lr=0.0), train_dataloaders=loader())
-    kl = _logged_by_step(tmp_path, "ln_placement/distill_kl")
+    kl = csv_by_step(tmp_path, "ln_placement/distill_kl")
     assert sorted(kl) == list(range(16))
     held = None
     for step in range(16):
