@@ -97,6 +97,9 @@ TEACHER_EVERY_ARMS = {2: "closed_S0.6_t0.05_lp_x0.02_kd_te2", 4: "closed_S0.6_t0
 UNWEIGHTED_TEACHER_ARM = "closed_S0.6_t0.05_lp_x0.02_kd_te2u"
 # The teacher every 2nd step of order 22, its blend held on the steps without a teacher (the library from order 24 on).
 HELD_TEACHER_ARM = "closed_S0.6_t0.05_lp_x0.02_kd_te2h"
+# The default with its teacher on the first half of each batch's rows, where they compute alone what they compute in the
+# batch (TransitionSpec.teacher_rows=0.5; a model whose forward draws random numbers runs it on every row) (order 26).
+HALF_ROWS_TEACHER_ARM = "closed_S0.6_t0.05_lp_x0.02_kd_r0.5"
 # Arms whose fit stops after as many steps as continuing unchanged takes, whatever their teacher costs.
 UNCHARGED_TEACHER = (FREE_TEACHER_ARM,)
 
@@ -111,9 +114,10 @@ UNCHARGED_TEACHER = (FREE_TEACHER_ARM,)
 # unchanged run's compute allows (a diagnostic, over the compute check by design). The teacher every 4th step is the
 # teacher every 2nd step's mechanism with another number, its unweighted term is a distill weight, and the held blend
 # between measurements is the library's (so that arm runs the teacher every 2nd step's spec).
+# HALF_ROWS_TEACHER_ARM's teacher on the rows is tested in tests/test_transition_teacher_rows.py (--arms runs it here).
 QUICK_REPEATS = ("closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "closed_S0.6_t0.03", "closed_S0.6_t0.05_L0.03",
                  HALF_EXCESS_ARM, REVERT_ARM, GATED_REVERT_ARM, FREE_TEACHER_ARM, TEACHER_EVERY_ARMS[4], UNWEIGHTED_TEACHER_ARM,
-                 HELD_TEACHER_ARM)
+                 HELD_TEACHER_ARM, HALF_ROWS_TEACHER_ARM)
 
 # The order in which methods were tried, and on which half each was chosen (appended as methods are tried).
 METHODS_TRIED = [
@@ -336,6 +340,9 @@ METHODS_TRIED = [
     {"order": 25, "arms": [HELD_TEACHER_ARM], "incumbent": DISTILL_AFTER_BUDGET_ARM,
      "on": "the TUNING half (10 runs: order 24's 4 and 6 more); the HELD-OUT half (6 runs) only if it wins",
      "note": "registered before any of its runs (2026-12-07), after order 24's outcome, and motivated by it (order 24's own criterion, all four of its runs, was not met; this order is a new decision, made on the tuning half only, the held-out half untouched): closed_S0.6_t0.05_lp_x0.02_kd_te2h against the default over the whole tuning half by the suite's rule, fixed now: most runs that meet the goal or stop short within it and say so before the budget's end, then the smaller largest band share, a win needing WIN_MARGIN (0.05) of the band; a tie keeps the incumbent. Order 24's four runs count (the same library code). Only if it wins does it run on the HELD-OUT half, reported untouched, and become the library's default in the closed loop. Outcome (after the runs, on the checkout at 1afb589; charlm, bert_mlm and encoder_cls pretrained again from seed 0, their held-out loss at the switch within 5e-5 of the file's): the rule picks it, 9 of 10 tuning runs within the goal or stopped short within it and said so, against the default's 8, its largest band share 0.72 against 0.89; and it is NOT adopted, against the rule's letter, for a reason the rule's count cannot see: it finishes 2 of the 10 (charlm's two), where the default finishes 6. With half the measurements its blend moves at half the pace (a move per fresh measurement), so on bert_mlm (blend 0.815, 0.889) and encoder_cls (0.933 at both budgets), which the default migrates to blend 1 within the goal in the same compute, it stops short, and the rule counts that as the default's finishing. The acceptance's 'says so' is for a model that cannot meet the goal within its budget, and these two can (the default does). What it gains is on the two models the default fails (marian_seq2seq B600 within the goal; xt_encoder_mlm B300 still over the final margin, +0.0247). So the default stays closed_S0.6_t0.05_lp_x0.02_kd (teacher_every=1) and the held-out half is not run. For later orders the rule counts a run that stops short where the incumbent reaches blend 1 within the goal as a failure (amended here, before any later run). Final over continuing unchanged / worst excess / blend, the default's in brackets: charlm B300 +0.0089 / +0.0154 / 1 (+0.0069 / +0.0216 / 1), B600 +0.0166 / +0.0217 / 1 (+0.0155 / +0.0204 / 1); bert_mlm B300 -0.0033 / +0.0156 / 0.815 (+0.0045 / +0.0247 / 1), B600 +0.0013 / +0.0172 / 0.889 (+0.0010 / +0.0268 / 1); encoder_cls B300 -0.0213 / +0.0388 / 0.933 (-0.0212 / +0.0389 / 1), B600 +0.0240 / +0.0602 / 0.933 (+0.0661 / +0.1039 / 1; within that model's band).", "overridden": "finishes 2 of 10 tuning runs where the default finishes 6: not adopted (order 25's note)"},
+    {"order": 26, "arms": [HALF_ROWS_TEACHER_ARM], "incumbent": DISTILL_AFTER_BUDGET_ARM,
+     "on": "the TUNING half (10 runs); the HELD-OUT half (6 runs) only if it wins",
+     "note": "registered before any of its runs (2026-12-08). After orders 21-25: what the default lacks on the two models it fails is the training steps its teacher costs (order 21), and a teacher on fewer steps holds the held-out loss less well or halves the blend's pace (orders 22-25); order 22 left untried a teacher on every step that costs less per step. TransitionSpec(teacher_rows=0.5), new in the library for this order: the teacher runs on the first half of each batch's rows on every step, the distillation term, the drift and the loss excess taken over them (the excess scaled up to the batch), where those rows compute alone what they compute in the batch. That is checked, not assumed: a forward that draws random numbers (dropout: the teacher's masks on fewer rows would not be the model's) keeps every row, with no extra forward, so on bert_mlm, encoder_cls and marian_seq2seq (dropout 0.1) the arm is the default's run bit for bit (tests/test_transition_teacher_rows.py) and their rows are the default's; on charlm and xt_encoder_mlm (and the held-out xt_decoder), no dropout, the first measured step runs the teacher both ways (1.5 units) and from the next read step (every step here) half a forward (0.5 units, counted), so in continuing unchanged's compute it trains about B x 3/3.5 steps (257 of B300) where the default trains 225. The share 0.5 is fixed now, not tuned. Its risk: a pull, a drift and an excess measured on half the rows are noisier. charlm and xt_encoder_mlm are pretrained again from seed 0 (the checkpoints of orders 18-25 are gone), and continuing unchanged and the default run again beside it from the same checkpoints, so the comparison is paired. The rule, order 25's as amended, fixed now: among the incumbent (closed_S0.6_t0.05_lp_x0.02_kd) and this arm over the 10 tuning runs: most runs that meet the goal or stop short within it and say so before the budget's end (a run that stops short where the incumbent reaches blend 1 within the goal counts as a failure), then the smaller largest band share, a win needing WIN_MARGIN (0.05) of the band; a tie keeps the incumbent. Only if it wins does it run on the HELD-OUT half (xt_decoder's two runs; deep_dropout_lm and bart_denoise have dropout, so their rows are the default's), reported untouched, and TransitionSpec's teacher_rows default becomes 0.5."},
 ]
 
 
@@ -462,6 +469,12 @@ ARMS[HALF_EXCESS_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6
                          "resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) at half its excess "
                          "tolerance, 0.01", _closed(0.6, tolerance=0.05, drift_positions="loss", excess_tolerance=0.01,
                                                     distill_after_budget=True))
+ARMS[HALF_ROWS_TEACHER_ARM] = ('LNPlacement("pre", transition=TransitionSpec(steps=0.6 B, tolerance=0.05, excess_tolerance=0.02, '
+                               'teacher_rows=0.5), resume_unconverted=True): closed_S0.6_t0.05_lp_x0.02_kd (the default) whose '
+                               "teacher runs on the first half of each batch's rows (half a forward, counted), the distillation, "
+                               "drift and loss excess taken over them; where the model's forward draws random numbers (dropout) "
+                               "or the rows alone compute other outputs, on every row (the default's run)",
+                               _the_default(teacher_rows=0.5))
 
 # Endpoint calibration (examples/migrate_suite/endpoint_calibration.py): the closed loop of closed_S0.6_t0.05, plus a fit
 # of the end point's own parameters (branch scales C_k, the added final norm's gain and bias) to the trained function
@@ -799,14 +812,22 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
                 self.units += UNITS_FWD
                 self.training_drift_forwards += 1
 
+        def _teacher_share(self) -> tuple[float, float]:
+            # (TransitionSpec.teacher_rows) what this step's teacher cost and the next one's will, in full forwards
+            d = getattr(getattr(getattr(self.plugin, "_run", None), "transition", None), "distill", None)
+            return (1.0, 1.0) if d is None or d.rows >= 1.0 else (d.teacher_share, d.next_share())
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.loss.append(float(pl_module.last_loss))
+            now, nxt_share = self._teacher_share()
+            if self.teacher[-1]:  # charged a full forward at the step's start: what it cost
+                self.units += UNITS_FWD * (now - 1.0)
             if self.budget_units is not None and arm in UNCHARGED_TEACHER:
                 if len(self.loss) >= budget:  # as many steps as continuing unchanged (its compute exceeded: counted)
                     trainer.should_stop = True
             elif self.budget_units is not None:
                 teacher = self._teacher_runs(pl_module)
-                nxt = UNITS_FWD + UNITS_BWD + (UNITS_FWD if teacher else 0)
+                nxt = UNITS_FWD + UNITS_BWD + (UNITS_FWD * nxt_share if teacher else 0)
                 if teacher and getattr(getattr(self.plugin, "transition", None), "training_drift_factor", None) is not None:
                     nxt += UNITS_FWD  # the next step may measure the training drift (one more forward): leave room for it
                 if self.units + nxt > self.budget_units + 1e-9:

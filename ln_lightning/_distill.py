@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any
 
 import torch
@@ -75,10 +76,48 @@ class Distillation:
         self._in_step = False
         self.distilled_once = False  # a KL was added in this run (checked after the first step)
         self._last_kl: torch.Tensor | None = None  # the last measured step's, logged again on steps without a teacher
+        # TransitionSpec.teacher_rows: the share of the rows the teacher is asked to run on, and where that stands:
+        # "check" (the next measured forward runs the teacher on the rows and on the batch), "pending" (the comparison
+        # is on the device until a read step), "rows" (it runs on the rows) or "full" (on the batch; rows_reason: why)
+        self.rows = 1.0
+        self.rows_state = "full"
+        self.rows_reason: str | None = None
+        self.rows_news: str | None = None  # a decision not yet said (the run says it: rank zero, warning or info)
+        self._rows_agree: torch.Tensor | None = None
+        self.teacher_share = 0.0  # the last measured forward's teacher cost, in full forwards (the suite counts it)
+        self._row_share = 1.0  # ... the rows' share of that forward's batch
 
     @property
     def active(self) -> bool:
         return self.teacher is not None
+
+    def ask_rows(self, share: float) -> None:
+        """Run the teacher on `share` of each batch's rows once the first measured forward shows that they compute
+        the same outputs alone (TransitionSpec.teacher_rows)."""
+        self.rows = share
+        self.rows_state = "check" if share < 1.0 else "full"
+
+    def read_rows_verdict(self) -> None:
+        """On a step that reads the host (a logging step): settle a pending comparison of the rows with the batch."""
+        if self.rows_state != "pending":
+            return
+        agree = bool(self._rows_agree)  # (one read, on a read step)
+        self._rows_agree = None
+        if agree:
+            self.rows_state = "rows"
+            self.rows_news = "rows"
+        else:
+            self._every_row("the teacher's outputs on the first rows alone were not its outputs for those rows in the "
+                            "batch (the rows see one another, as in a batch norm, or the first dimension is not the "
+                            "batch's)")
+
+    def next_share(self) -> float:
+        """What the next measured forward's teacher costs, in full forwards."""
+        return {"rows": self._row_share, "check": 1.0 + self._row_share}.get(self.rows_state, 1.0)
+
+    def _every_row(self, reason: str) -> None:
+        if self.rows_state != "full":
+            self.rows_state, self.rows_reason, self.rows_news = "full", reason, "full"
 
     def start(self, trainer: Trainer, pl_module: LightningModule, steps_done: int) -> str | None:
         """Build the teacher and hook the module; the reason it can't, else None."""
@@ -222,22 +261,57 @@ class Distillation:
             return None
         student = logits_of(output)
         rng, self._rng = self._rng, None
-        taught = logits_of(self._teacher_output(module, args, kwargs, rng)) if student is not None else None
-        if student is None or taught is None or student.shape != taught.shape:
+        rows, inputs = self._rows_for(student, args, kwargs, rng)
+        if rows is not None and self.rows_state == "rows":
+            taught = logits_of(self._teacher_output(module, *inputs, rng))
+            self.teacher_share = self._row_share
+        else:
+            taught = logits_of(self._teacher_output(module, args, kwargs, rng)) if student is not None else None
+            self.teacher_share = 1.0
+            if rows is not None and taught is not None:  # "check": the teacher on the rows alone too, compared on the device
+                alone = logits_of(self._teacher_output(module, *inputs, rng))
+                self.teacher_share += self._row_share
+                self._rows_agree = _same_outputs(alone, taught[:rows])
+                if self._rows_agree is None:
+                    self._every_row("the teacher's output on the first rows alone does not have those rows' shape in "
+                                    "the batch's (the first dimension of the output is not the batch's)")
+                else:
+                    self.rows_state = "pending"
+                rows = None  # this step compares over the batch
+        if student is None or taught is None or (student[:rows] if rows is not None else student).shape != taught.shape:
             self.off_reason = (f"the LightningModule's output has no predictions to compare (a floating tensor of "
                                f"scores over a last dimension, `logits`, or a tuple's first element: got {type(output).__name__})")
             return None
-        kl = kl_per_position(student, taught)
+        kl = kl_per_position(student[:rows] if rows is not None else student, taught)
         self._pending.append(kl.mean())
         if self.drift_at_loss or self.excess:
-            self._positions.append((kl.detach(), student, taught))
+            self._positions.append((kl.detach(), student, taught, rows))
         if self.measure_training_drift and not self.live:
             # The same inputs and random numbers at blend 0: what training alone changed since the transition began.
             with _replayed(rng):
-                written = logits_of(self._pinned_output(module, args, kwargs))
+                written = logits_of(self._pinned_output(module, *(args, kwargs) if rows is None else inputs))
             if written is not None and written.shape == taught.shape:
                 self._training_drift.append(kl_to_teacher(written, taught).detach())
         return None
+
+    def _rows_for(self, student, args, kwargs, rng) -> tuple[int | None, tuple | None]:
+        """The number of first rows the teacher runs on in this forward (TransitionSpec.teacher_rows) and its inputs
+        cut to them; (None, None) where it runs on the batch."""
+        if self.rows_state not in ("check", "rows") or student is None or student.dim() < 2:
+            return None, None
+        n = student.size(0)
+        rows = math.ceil(self.rows * n)
+        if rows >= n:
+            return None, None
+        if rng is not None and not _unchanged(rng):
+            # Dropout (or any random number) in the forward: the teacher on fewer rows would draw other numbers than
+            # the model did for them (a generator's stream is not cut by rows), so it would not be the trained function
+            # with the model's masks.
+            self._every_row("the model's forward draws random numbers (its dropout, most likely), and on fewer rows "
+                            "the teacher would draw other ones than the model did")
+            return None, None
+        self._row_share = rows / n
+        return rows, (_first_rows(args, n, rows), _first_rows(kwargs, n, rows))
 
     @staticmethod
     def _loss_grads(loss, positions: list[tuple]) -> list:
@@ -275,12 +349,14 @@ class Distillation:
             self._losses.append(loss.detach().float().reshape(()))
         kl = torch.stack(pending).mean()
         grads = self._loss_grads(loss, positions) if positions else []
+        # (TransitionSpec.teacher_rows: over the first rows, the loss's gradient cut to them too)
+        grads = [g if p[3] is None or g is None else g[:p[3]] for p, g in zip(positions, grads)]
         if self.drift_at_loss and positions:  # the KL over the positions the loss depends on
             self._drift.append(torch.stack([mean_where_the_loss_looks(p[0], g) for p, g in zip(positions, grads)]).mean().detach())
         else:
             self._drift.append(kl.detach())
-        if self.excess and positions:  # each forward's share of the loss: their excesses add up
-            self._excesses.append(torch.stack([loss_excess(g, p[1], p[2]) for p, g in zip(positions, grads)]).sum())
+        if self.excess and positions:  # each forward's share of the loss: their excesses add up (the rows' scaled up)
+            self._excesses.append(torch.stack([_excess_of(p, g) for p, g in zip(positions, grads)]).sum())
         if not self.endpoint:  # (an endpoint step's KL is the end point's: not what a held step should show)
             self._last_kl = kl.detach()
         self._module.log("ln_placement/distill_kl", kl.detach(), on_step=True, on_epoch=False)
@@ -293,6 +369,53 @@ class Distillation:
             return {**out, "loss": out["loss"] + term}
         self.off_reason = f"training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'"
         return out
+
+
+def _excess_of(position: tuple, grad) -> torch.Tensor:
+    """One forward's loss excess (teacher.loss_excess); over its first rows, scaled up to the batch's rows."""
+    _, student, taught, rows = position
+    if rows is None:
+        return loss_excess(grad, student, taught)
+    return loss_excess(grad, student[:rows], taught) * (student.size(0) / rows)
+
+
+def _first_rows(value: Any, n: int, rows: int) -> Any:
+    """`value` (a forward's arguments) with every tensor whose first dimension is `n` cut to its first `rows`, inside
+    tuples, lists and dicts too; anything else as it is (the comparison then finds the outputs disagree)."""
+    if isinstance(value, torch.Tensor):
+        return value[:rows] if value.dim() >= 1 and value.size(0) == n else value
+    if isinstance(value, dict):
+        cut = {k: _first_rows(v, n, rows) for k, v in value.items()}
+        try:
+            return type(value)(cut)
+        except TypeError:
+            return cut
+    if isinstance(value, tuple):
+        cut = [_first_rows(v, n, rows) for v in value]
+        return type(value)(*cut) if hasattr(value, "_fields") else tuple(cut)
+    if isinstance(value, list):
+        return [_first_rows(v, n, rows) for v in value]
+    return value
+
+
+def _same_outputs(alone: torch.Tensor | None, in_batch: torch.Tensor) -> torch.Tensor | None:
+    """Whether the teacher's output on the rows alone is its output for them in the batch, within the rounding a
+    different batch size brings (a matrix product's blocking): 32 ulps of the output's dtype, relative to its largest
+    magnitude. A 0-dim bool on the device (no host read); None where the shapes differ."""
+    if alone is None or alone.shape != in_batch.shape:
+        return None
+    eps = torch.finfo(in_batch.dtype).eps if in_batch.is_floating_point() else 0.0
+    a, b = alone.float(), in_batch.float()
+    return (a - b).abs().amax() <= 32 * eps * (b.abs().amax() + 1)
+
+
+def _unchanged(rng: tuple) -> bool:
+    """Whether the random state is the one `rng` took before the forward: the forward drew no random numbers
+    (host-side generator state: no device synchronisation)."""
+    cpu_state, cuda, cuda_state = rng
+    if not torch.equal(torch.get_rng_state(), cpu_state):
+        return False
+    return cuda is None or torch.equal(torch.cuda.get_rng_state(cuda), cuda_state)
 
 
 @contextlib.contextmanager

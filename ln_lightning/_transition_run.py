@@ -81,6 +81,7 @@ class TransitionRun:
                                     excess=spec.excess_tolerance is not None)
         self.distill.saved_state = self.teacher_state
         self.distill.every = spec.teacher_every
+        self.distill.ask_rows(spec.rows_share)
         reason = self.distill.start(trainer, pl_module, t.host_steps)
         if reason is not None:
             self.distill.off_reason = reason
@@ -145,6 +146,13 @@ class TransitionRun:
         if distill is not None and distill.active and distill.off_reason is not None:
             distill.stop(keep=False)
             self._warn_no_distillation(trainer, distill.off_reason, t, self.spec.loss_tolerance, self.spec.excess_tolerance)
+        if distill is not None and distill.rows_state == "pending" and stepped:
+            # (TransitionSpec.teacher_rows) the rows' comparison is read on a step that reads the host anyway
+            every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
+            if trainer.global_step % every == 0:
+                distill.read_rows_verdict()
+        if distill is not None and distill.rows_news is not None:
+            self._say_rows(trainer)
         if t is None:
             return
         if not stepped:
@@ -238,6 +246,32 @@ class TransitionRun:
             self.training_drift = raised["training_drift"].detach()
             self.last_training_drift = raised["last_training_drift"].detach()
             self.last_tolerance = raised["last_tolerance"].detach()
+
+    def _say_rows(self, trainer: Trainer) -> None:
+        """Say where TransitionSpec.teacher_rows settled: the teacher on the rows (info), or on every row (a warning
+        where teacher_rows was asked for; info where it is the default)."""
+        d = self.distill
+        news, d.rows_news = d.rows_news, None
+        if not trainer.is_global_zero:
+            return
+        share = f"{d.rows:g}"
+        if news == "rows":
+            info(log, f"LNPlacement: the transition's teacher runs on the first {share} of each batch's rows from step "
+                      f"{trainer.global_step} on (teacher_rows={share}): their outputs alone were the batch's.")
+        elif self.spec.teacher_rows is not None:
+            warn(f"LNPlacement: teacher_rows={share} can't hold on this model: {d.rows_reason}. The transition's teacher "
+                 "runs on every row of the batch instead, its forward a full one (as teacher_rows=None asks; pass that "
+                 "to silence this).")
+        else:
+            info(log, f"LNPlacement: the transition's teacher runs on every row of the batch: {d.rows_reason}.")
+
+    def rows_entry(self) -> dict | None:
+        """The report JSON's account of TransitionSpec.teacher_rows, where it was asked for."""
+        d = self.distill
+        if self.spec.teacher_rows is None or d is None:
+            return None
+        ran = {"rows": "rows", "full": "every row"}.get(d.rows_state, "every row (not yet compared)")
+        return {"teacher_rows": {"asked": d.rows, "ran_on": ran, "reason": d.rows_reason}}
 
     def final_entry(self, progress: tuple[int, int, float] | None) -> dict | None:
         """The report JSON's "transition" entry at the fit's end, where this run knows it (else None)."""
@@ -492,6 +526,8 @@ class TransitionRun:
                   + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
                   + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
                   + (f", teacher_every={spec.teacher_every}" if spec.teacher_every != 1 else "")
+                + (f", teacher_rows={spec.teacher_rows:g}" if spec.teacher_rows is not None else "")
+                  + (f", teacher_rows={spec.teacher_rows:g}" if spec.teacher_rows is not None else "")
                   + (f", training_drift_factor={spec.training_drift_factor:g}" if spec.training_drift_factor is not None else "")
                   + (f", training_drift_every={spec.training_drift_every}" if spec.training_drift_every != TRAINING_DRIFT_EVERY else "")
                   + "))")
@@ -542,6 +578,7 @@ class TransitionRun:
                 + (f", loss_tolerance={loss:g}" if loss is not None else "")
                 + (f", excess_tolerance={excess:g}" if excess not in (None, math.inf) else "")
                 + (f", teacher_every={spec.teacher_every}" if spec.teacher_every != 1 else "")
+                + (f", teacher_rows={spec.teacher_rows:g}" if spec.teacher_rows is not None else "")
                 + (f", training_drift_factor={spec.training_drift_factor:g}" if spec.training_drift_factor is not None else "")
                 + (f", training_drift_every={spec.training_drift_every}" if spec.training_drift_every != TRAINING_DRIFT_EVERY else "") + "))")
 

@@ -555,8 +555,9 @@ class LNPlacement(LayerSync, Callback):
         state = rewrite_state.of(pl_module)
         progress = None if state is None else state.progress()
         known = None if self._run is None or self._run.transition is None else self._run.transition.final_entry(progress)
+        rows = None if self._run is None or self._run.transition is None else self._run.transition.rows_entry()
         if known is not None:  # finished, or a closed loop stopped by its budget (said when it did)
-            self._log_report(trainer, final={"transition": known})
+            self._log_report(trainer, final={"transition": {**known, **(rows or {})}})
             return
         if progress is None:
             return
@@ -569,7 +570,7 @@ class LNPlacement(LayerSync, Callback):
         final = {"steps": steps, "steps_done": done, "blend": a, "finished": False}
         if self.transition is not None and self.transition.closed:
             final["tolerance"] = self.transition.tolerance
-        self._log_report(trainer, final={"transition": final})
+        self._log_report(trainer, final={"transition": {**final, **(rows or {})}})
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._end_run(pl_module)

@@ -41,6 +41,8 @@ EXCESS_TOLERANCE = 0.02
 TRAINING_DRIFT_EVERY = 8
 # TransitionSpec.teacher_every's default: the teacher on every optimizer step.
 TEACHER_EVERY = 1
+# TransitionSpec.teacher_rows's default: the teacher on every row of the batch.
+TEACHER_ROWS = 1.0
 
 
 def _positive(value) -> bool:
@@ -196,6 +198,16 @@ class TransitionSpec:
             (orders 22-25, docs/results/migrate_suite) 2 gives back most of the steps the teacher costs (in continuing
             unchanged's compute) and keeps the held-out loss within the goal, but its blend moves at half the pace:
             on the tuning half it finished 2 of 10 runs where every step's teacher finishes 6.
+        teacher_rows: the share of each training batch's rows the teacher runs on, on every step it runs: its forward
+            costs that share of a full one, and the distillation term, the drift and the loss excess are taken over
+            those rows (the excess scaled up to the batch). The rows are the first ``ceil(teacher_rows * n)`` of every
+            tensor argument of the LightningModule's forward whose first dimension is the output's ``n``. It holds
+            only where those rows compute the same outputs alone as in the batch, which is checked, not assumed:
+            where the model's forward draws random numbers (dropout: the teacher's masks on fewer rows are not the
+            model's) the teacher runs on every row; else the first measured step of each fit runs it both ways and
+            the rows are used from the first step that reads the blend on (a logging step) if their outputs are the
+            batch's within rounding (rows that see one another, a batch norm, a time-first layout, run on every row).
+            Either way the run says which, and the report JSON records it. ``None`` (the default): 1 (every row).
     """
 
     steps: int
@@ -214,6 +226,7 @@ class TransitionSpec:
     distill_after_budget: bool | None = None  # True in the closed loop with distillation, else False
     revert_after_budget: str | None = None  # None (hold the blend reached), "ramp" or "gated"
     teacher_every: int | None = None  # TEACHER_EVERY
+    teacher_rows: float | None = None  # TEACHER_ROWS (kept None when not given: a fallback to every row is then no news)
 
     def __post_init__(self):
         steps = self.steps
@@ -308,6 +321,16 @@ class TransitionSpec:
             raise ValueError("TransitionSpec: training_drift_factor measures the training drift on every "
                              "training_drift_every-th step, alongside the teacher's forward, and teacher_every skips that "
                              "forward on other steps. Drop teacher_every (every step), or drop training_drift_factor.")
+        rows = self.teacher_rows
+        if rows is not None:
+            if isinstance(rows, bool) or not isinstance(rows, (int, float)) or not 0 < rows <= 1:
+                raise ValueError(f"TransitionSpec: teacher_rows must be a share of the batch's rows in (0, 1] or None "
+                                 f"(every row), got {rows!r}.")
+            if self.distill <= 0 and tol is None:
+                raise ValueError("TransitionSpec: teacher_rows says how much of each batch the teacher runs on, and the "
+                                 "open loop without distillation (tolerance=None, distill=0) runs no teacher. Drop "
+                                 "teacher_rows, or give a tolerance or distill > 0.")
+            object.__setattr__(self, "teacher_rows", float(rows))
         if self.drift_positions is None:
             object.__setattr__(self, "drift_positions", "all" if tol is None else "loss")
         if self.drift_positions not in DRIFT_POSITIONS:
@@ -343,6 +366,11 @@ class TransitionSpec:
     def runs_teacher(self, global_step: int) -> bool:
         """Whether the teacher runs in the optimizer step Lightning counts as ``global_step`` (``teacher_every``)."""
         return global_step % self.teacher_every == 0
+
+    @property
+    def rows_share(self) -> float:
+        """The share of each batch's rows the teacher is asked to run on (``teacher_rows``, 1 where not given)."""
+        return TEACHER_ROWS if self.teacher_rows is None else self.teacher_rows
 
     def to_dict(self) -> dict:
         return asdict(self)
