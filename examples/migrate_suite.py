@@ -114,10 +114,9 @@ UNCHARGED_TEACHER = (FREE_TEACHER_ARM,)
 # unchanged run's compute allows (a diagnostic, over the compute check by design). The teacher every 4th step is the
 # teacher every 2nd step's mechanism with another number, its unweighted term is a distill weight, and the held blend
 # between measurements is the library's (so that arm runs the teacher every 2nd step's spec).
-# HALF_ROWS_TEACHER_ARM's teacher on the rows is tested in tests/test_transition_teacher_rows.py (--arms runs it here).
 QUICK_REPEATS = ("closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "closed_S0.6_t0.03", "closed_S0.6_t0.05_L0.03",
                  HALF_EXCESS_ARM, REVERT_ARM, GATED_REVERT_ARM, FREE_TEACHER_ARM, TEACHER_EVERY_ARMS[4], UNWEIGHTED_TEACHER_ARM,
-                 HELD_TEACHER_ARM, HALF_ROWS_TEACHER_ARM)
+                 HELD_TEACHER_ARM)
 
 # The order in which methods were tried, and on which half each was chosen (appended as methods are tried).
 METHODS_TRIED = [

@@ -24,7 +24,7 @@ MODELS = {"charlm", "bert_mlm", "encoder_cls", "deep_dropout_lm", "bart_denoise"
 ARMS = {"unchanged", "hard", "default", "default_long", "closed_S0.6_t0.05", "calib_S0.6_t0.05", "calibpc_S0.6_t0.05",
         "calibpath_S0.6_t0.05", "closed_S0.6_t0.03_k2", "closed_S0.6_t0.05_L0.02", "closed_S0.6_t0.05_lp",
         "closed_S0.6_t0.05_lp_e0", "closed_S0.6_t0.05_lp_x0.02", "closed_S0.6_t0.05_lp_x0.02_kd",
-        "closed_S0.6_t0.05_lp_x0.02_kd_cur", "closed_S0.6_t0.05_lp_x0.02_kd_te2"}
+        "closed_S0.6_t0.05_lp_x0.02_kd_cur", "closed_S0.6_t0.05_lp_x0.02_kd_te2", "closed_S0.6_t0.05_lp_x0.02_kd_r0.5"}
 # ... and leaves out those that run one of them with other numbers (a budget, a tolerance)
 REPEATS = {"closed_S0.33_t0.02", "closed_S0.33_t0.05", "closed_S0.6_t0.02", "closed_S0.6_t0.03", "closed_S0.6_t0.05_L0.03",
            "closed_S0.6_t0.05_lp_x0.01_kd", "closed_S0.6_t0.05_lp_x0.02_kd_te4",
