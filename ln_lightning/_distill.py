@@ -91,11 +91,13 @@ class Distillation:
     def active(self) -> bool:
         return self.teacher is not None
 
-    def ask_rows(self, share: float) -> None:
+    def ask_rows(self, share: float, settled: tuple[str, str | None] | None = None) -> None:
         """Run the teacher on `share` of each batch's rows once the first measured forward shows that they compute
-        the same outputs alone (TransitionSpec.teacher_rows)."""
+        the same outputs alone (TransitionSpec.teacher_rows); `settled`: as a checkpoint's fit found (state, reason)."""
         self.rows = share
         self.rows_state = "check" if share < 1.0 else "full"
+        if share < 1.0 and settled is not None:
+            self.rows_state, self.rows_reason = settled
 
     def read_rows_verdict(self) -> None:
         """On a step that reads the host (a logging step): settle a pending comparison of the rows with the batch."""

@@ -62,6 +62,9 @@ class TransitionRun:
         self.loss_gate = _LossGate(spec.loss_tolerance, spec.steps) if spec.loss_tolerance is not None else None
         self.excess: torch.Tensor | None = None  # TransitionSpec.excess_tolerance: the smoothed loss excess (device)
         self.logged_drift = False  # the closed loop's drift was measured and logged in this fit (teacher_every holds it)
+        # TransitionSpec.teacher_rows as the checkpoint this fit resumed from settled it (rows_state, rows_reason): a
+        # resumed fit goes on as the uninterrupted one does, without comparing the rows again
+        self.rows_settled: tuple[str, str | None] | None = None
 
     # ------------------------------------------------------------------ the plugin's calls
     def start(self, trainer: Trainer, pl_module: LightningModule, t) -> None:
@@ -81,7 +84,7 @@ class TransitionRun:
                                     excess=spec.excess_tolerance is not None)
         self.distill.saved_state = self.teacher_state
         self.distill.every = spec.teacher_every
-        self.distill.ask_rows(spec.rows_share)
+        self.distill.ask_rows(spec.rows_share, self.rows_settled)
         reason = self.distill.start(trainer, pl_module, t.host_steps)
         if reason is not None:
             self.distill.off_reason = reason
@@ -213,7 +216,8 @@ class TransitionRun:
     def checkpoint_state(self, pl_module: LightningModule) -> dict | None:
         """What a resumed fit needs to go on as this one would, while the model is in a transition: the smoothed
         loss excess, the closed loop's pace (the host's reads; the step the blend last moved at and the gated steps
-        that held it since) and training_drift_factor's raised tolerance (device tensors: no host read)."""
+        that held it since), training_drift_factor's raised tolerance (device tensors: no host read) and where
+        teacher_rows settled."""
         state = rewrite_state.of(pl_module)
         if state is None or state.transition is None:
             return None
@@ -223,6 +227,9 @@ class TransitionRun:
         if self.moved_at is not None:
             entry["pace"] = {"reads": [list(r) for r in self.pace.reads], "still_since": self.pace.still_since,
                              "moved_at": self.moved_at.detach().clone(), "holds": self.holds.detach().clone()}
+        d = self.distill
+        if d is not None and d.rows < 1.0 and d.rows_state in ("rows", "full"):  # (teacher_rows: as settled)
+            entry["teacher_rows"] = {"share": d.rows, "state": d.rows_state, "reason": d.rows_reason}
         if self.last_tolerance is not None:  # training_drift_factor: not measured again after the budget
             entry["tolerance"] = {"training_drift": self.training_drift.detach().clone(),
                                   "last_training_drift": self.last_training_drift.detach().clone(),
@@ -241,6 +248,9 @@ class TransitionRun:
             self.moved_at = pace["moved_at"].detach()
             held = pace.get("holds")  # (a89f17c's entry had none: counted from the resume)
             self.holds = held.detach() if isinstance(held, torch.Tensor) else torch.zeros_like(self.moved_at)
+        rows = entry.get("teacher_rows") if entry else None
+        if isinstance(rows, dict) and rows.get("state") in ("rows", "full") and rows.get("share") == self.spec.rows_share:
+            self.rows_settled = (rows["state"], rows.get("reason"))
         raised = entry.get("tolerance") if entry else None
         if isinstance(raised, dict) and all(isinstance(v, torch.Tensor) for v in raised.values()):
             self.training_drift = raised["training_drift"].detach()

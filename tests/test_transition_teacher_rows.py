@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning.pytorch.callbacks import ModelCheckpoint
+
 from _helpers_transition import LM, batch, csv_by_step, loader, logged_trainer, trainer
 from ln_lightning import LNLightningWarning, TransitionSpec
 from ln_lightning import _distill
@@ -154,3 +156,22 @@ def test_the_rows_comparison_reads_the_host_on_a_logging_step_only(tmp_path):
     ours = [c for c in spy.mode.calls if "_distill.py" in c[2]]
     assert [c[0] for c in ours] == [3], spy.mode.calls  # the one read: at the end of step 3, which logs
     assert all((step + 1) % 4 == 0 for step, _, _ in spy.mode.calls), spy.mode.calls
+
+
+def test_a_resumed_fit_keeps_the_rows_as_settled_and_gives_the_uninterrupted_weights(tmp_path, teacher_rows_seen):
+    spec = dict(steps=12, tolerance=0.5, teacher_rows=0.5)
+    straight = LM("demo")
+    trainer(tmp_path / "a", _plugin(**spec), max_steps=6, log_every_n_steps=1).fit(straight, train_dataloaders=loader())
+    assert teacher_rows_seen == [4, 2] + [2] * 5
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
+    trainer(tmp_path / "b", _plugin(**spec), max_steps=3, log_every_n_steps=1, callbacks=[ckpt]).fit(
+        LM("demo"), train_dataloaders=loader())
+    path = next((tmp_path / "ck").glob("*step=3*.ckpt"))
+    assert torch.load(path, weights_only=True)["ln_lightning_transition_run"]["teacher_rows"]["state"] == "rows"
+    del teacher_rows_seen[:]
+    resumed = LM("demo")
+    trainer(tmp_path / "c", _plugin(**spec), max_steps=6, log_every_n_steps=1).fit(
+        resumed, train_dataloaders=loader(), ckpt_path=str(path))
+    assert teacher_rows_seen == [2, 2, 2]  # the rows as settled: no second comparison
+    for k, v in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[k], v), k
