@@ -422,7 +422,8 @@ _AFTER_THE_DEFAULT = (("_rvg", ", back to blend 0 after the budget where the tol
                       ("_ft", ", its teacher's compute not charged (a diagnostic, over the compute)"),
                       ("_te2u", ", a teacher every 2nd step, its term unweighted"),
                       ("_te2h", ", a teacher every 2nd step, the blend held between its measurements"),
-                      ("_te2", ", a teacher every 2nd step"), ("_te4", ", a teacher every 4th step"))
+                      ("_te2", ", a teacher every 2nd step"), ("_te4", ", a teacher every 4th step"),
+                      ("_r0.5", ", its teacher on half of each batch's rows"))
 
 
 def migrate_suite_needs() -> str:
@@ -434,7 +435,7 @@ def migrate_suite_needs() -> str:
              "|---|---|---|---|---|---|---|"]
     order = list(d["models"])
     for r in sorted(rows, key=lambda r: (order.index(r["model"]), r["arm"], r["budget"])):
-        tol = r["arm"].rpartition("_t")[2]
+        tol = r["arm"].split("_t", 1)[1]  # (the tolerance and what follows it: "_te2h" is not a tolerance)
         suffix = ""
         for end, words in _AFTER_THE_DEFAULT:  # the default's spec with one more option (orders 17-22)
             if tol.endswith(end):
