@@ -20,17 +20,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.nn import functional as F
 
 from ln_lightning.placement.migrate import blend
 from ln_lightning.placement.migrate.teacher import (frozen_copy, kl_per_position, kl_to_teacher, logits_of, loss_excess,
                                                     mean_where_the_loss_looks, trained_output)
 
 CHECKPOINT_KEY = "ln_lightning_teacher"
+# TransitionSpec.teacher_rows: how far (KL per position, the largest, nats) the teacher's outputs on the rows alone may
+# be from theirs in the batch (a different batch size rounds differently): a fiftieth of the closed loop's default
+# drift tolerance, so the rows' teacher measures the drift as the batch's would, within what the loop can see.
+ROWS_KL = 1e-3
 _STEP = "training_step"
 
 
@@ -115,7 +121,7 @@ class Distillation:
 
     def next_share(self) -> float:
         """What the next measured forward's teacher costs, in full forwards."""
-        return {"rows": self._row_share, "check": 1.0 + self._row_share}.get(self.rows_state, 1.0)
+        return {"rows": self._row_share, "check": 2.0 + self._row_share}.get(self.rows_state, 1.0)
 
     def _every_row(self, reason: str) -> None:
         if self.rows_state != "full":
@@ -264,21 +270,19 @@ class Distillation:
         student = logits_of(output)
         rng, self._rng = self._rng, None
         rows, inputs = self._rows_for(student, args, kwargs, rng)
+        taught = None
         if rows is not None and self.rows_state == "rows":
-            taught = logits_of(self._teacher_output(module, *inputs, rng))
-            self.teacher_share = self._row_share
-        else:
+            try:
+                taught = logits_of(self._teacher_output(module, *inputs, rng))
+                self.teacher_share = self._row_share
+            except Exception as e:  # noqa: BLE001 - inputs cut wrongly (a shared tensor whose first dimension is n)
+                self._every_row(f"the teacher's forward on the first rows raised {type(e).__name__}: {e}")
+                rows = None
+        if taught is None:
             taught = logits_of(self._teacher_output(module, args, kwargs, rng)) if student is not None else None
             self.teacher_share = 1.0
-            if rows is not None and taught is not None:  # "check": the teacher on the rows alone too, compared on the device
-                alone = logits_of(self._teacher_output(module, *inputs, rng))
-                self.teacher_share += self._row_share
-                self._rows_agree = _same_outputs(alone, taught[:rows])
-                if self._rows_agree is None:
-                    self._every_row("the teacher's output on the first rows alone does not have those rows' shape in "
-                                    "the batch's (the first dimension of the output is not the batch's)")
-                else:
-                    self.rows_state = "pending"
+            if rows is not None and taught is not None:  # "check": compared with the rows alone, on the device
+                self._check_rows(module, args, kwargs, rng, taught, rows, inputs)
                 rows = None  # this step compares over the batch
         if student is None or taught is None or (student[:rows] if rows is not None else student).shape != taught.shape:
             self.off_reason = (f"the LightningModule's output has no predictions to compare (a floating tensor of "
@@ -295,6 +299,29 @@ class Distillation:
             if written is not None and written.shape == taught.shape:
                 self._training_drift.append(kl_to_teacher(written, taught).detach())
         return None
+
+    def _check_rows(self, module, args, kwargs, rng, taught: torch.Tensor, rows: int, inputs: tuple) -> None:
+        """The first measured forward (TransitionSpec.teacher_rows): whether the first rows compute alone what they
+        compute in the batch, on the device (read on a logging step). Two forwards more, once: the rows alone, within
+        ROWS_KL of the batch's (a different batch size rounds differently), and the batch with its other rows replaced,
+        the first rows' outputs bit for bit the batch's (the same shape rounds alike: any dependence on the other
+        rows shows, a batch norm's or a mix across rows)."""
+        n = taught.size(0)
+        swapped = (_other_rows_swapped(args, n, rows), _other_rows_swapped(kwargs, n, rows))
+        try:
+            alone = logits_of(self._teacher_output(module, *inputs, rng))
+            again = logits_of(self._teacher_output(module, *swapped, rng))
+        except Exception as e:  # noqa: BLE001 - inputs cut wrongly (a shared tensor whose first dimension is n)
+            self._every_row(f"the teacher's forward on the first rows raised {type(e).__name__}: {e}")
+            return
+        finally:
+            self.teacher_share += 1.0 + self._row_share
+        if alone is None or again is None or alone.shape != taught[:rows].shape or again.shape != taught.shape:
+            self._every_row("the teacher's output on the first rows alone does not have those rows' shape in the "
+                            "batch's (the first dimension of the output is not the batch's)")
+            return
+        self._rows_agree = (_largest_kl(taught[:rows], alone) <= ROWS_KL) & (again[:rows] == taught[:rows]).all()
+        self.rows_state = "pending"
 
     def _rows_for(self, student, args, kwargs, rng) -> tuple[int | None, tuple | None]:
         """The number of first rows the teacher runs on in this forward (TransitionSpec.teacher_rows) and its inputs
@@ -383,32 +410,45 @@ def _excess_of(position: tuple, grad) -> torch.Tensor:
 
 def _first_rows(value: Any, n: int, rows: int) -> Any:
     """`value` (a forward's arguments) with every tensor whose first dimension is `n` cut to its first `rows`, inside
-    tuples, lists and dicts too; anything else as it is (the comparison then finds the outputs disagree)."""
+    tuples, lists and mappings too; anything else as it is (the comparison then finds the outputs disagree)."""
     if isinstance(value, torch.Tensor):
         return value[:rows] if value.dim() >= 1 and value.size(0) == n else value
-    if isinstance(value, dict):
-        cut = {k: _first_rows(v, n, rows) for k, v in value.items()}
+    return _map_inputs(value, lambda v: _first_rows(v, n, rows))
+
+
+def _largest_kl(in_batch: torch.Tensor, alone: torch.Tensor) -> torch.Tensor:
+    """The largest KL(in batch || alone) over the positions, in float32, on the device; a class both give no
+    probability (a masked logit, -inf or the dtype's lowest) adds nothing."""
+    t = F.log_softmax(in_batch.detach().reshape(-1, in_batch.size(-1)).float(), -1)
+    s = F.log_softmax(alone.detach().reshape(-1, alone.size(-1)).float(), -1)
+    p = t.exp()
+    return torch.where(p > 0, p * (t - s), torch.zeros_like(p)).sum(-1).amax()
+
+
+def _other_rows_swapped(value: Any, n: int, rows: int) -> Any:
+    """`value` (a forward's arguments) with the rows after the first `rows` of every tensor whose first dimension is
+    `n` replaced by copies of its first rows (the same shapes, other contents)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 1 and value.size(0) == n:
+            return torch.cat([value[:rows], value[torch.arange(n - rows, device=value.device) % rows]])
+        return value
+    return _map_inputs(value, lambda v: _other_rows_swapped(v, n, rows))
+
+
+def _map_inputs(value: Any, f) -> Any:
+    """`f` over the items of a tuple, list or mapping (of the same type where it can be rebuilt); else `value`."""
+    if isinstance(value, Mapping):
+        cut = {k: f(v) for k, v in value.items()}
         try:
             return type(value)(cut)
         except TypeError:
             return cut
     if isinstance(value, tuple):
-        cut = [_first_rows(v, n, rows) for v in value]
+        cut = [f(v) for v in value]
         return type(value)(*cut) if hasattr(value, "_fields") else tuple(cut)
     if isinstance(value, list):
-        return [_first_rows(v, n, rows) for v in value]
+        return [f(v) for v in value]
     return value
-
-
-def _same_outputs(alone: torch.Tensor | None, in_batch: torch.Tensor) -> torch.Tensor | None:
-    """Whether the teacher's output on the rows alone is its output for them in the batch, within the rounding a
-    different batch size brings (a matrix product's blocking): 32 ulps of the output's dtype, relative to its largest
-    magnitude. A 0-dim bool on the device (no host read); None where the shapes differ."""
-    if alone is None or alone.shape != in_batch.shape:
-        return None
-    eps = torch.finfo(in_batch.dtype).eps if in_batch.is_floating_point() else 0.0
-    a, b = alone.float(), in_batch.float()
-    return (a - b).abs().amax() <= 32 * eps * (b.abs().amax() + 1)
 
 
 def _unchanged(rng: tuple) -> bool:

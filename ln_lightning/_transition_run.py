@@ -280,8 +280,10 @@ class TransitionRun:
         d = self.distill
         if self.spec.teacher_rows is None or d is None:
             return None
-        ran = {"rows": "rows", "full": "every row"}.get(d.rows_state, "every row (not yet compared)")
-        return {"teacher_rows": {"asked": d.rows, "ran_on": ran, "reason": d.rows_reason}}
+        reason = {"pending": "compared, but no logging step came to read the comparison before the fit ended",
+                  "check": "no measured batch had more rows than teacher_rows keeps"}.get(d.rows_state, d.rows_reason)
+        return {"teacher_rows": {"asked": d.rows, "ran_on": "rows" if d.rows_state == "rows" else "every row",
+                                 "reason": reason}}
 
     def final_entry(self, progress: tuple[int, int, float] | None) -> dict | None:
         """The report JSON's "transition" entry at the fit's end, where this run knows it (else None)."""
@@ -536,7 +538,6 @@ class TransitionRun:
                   + (f", loss_tolerance={spec.loss_tolerance:g}" if spec.loss_tolerance is not None else "")
                   + (f", excess_tolerance={spec.excess_tolerance:g}" if spec.excess_tolerance not in (None, math.inf) else "")
                   + (f", teacher_every={spec.teacher_every}" if spec.teacher_every != 1 else "")
-                + (f", teacher_rows={spec.teacher_rows:g}" if spec.teacher_rows is not None else "")
                   + (f", teacher_rows={spec.teacher_rows:g}" if spec.teacher_rows is not None else "")
                   + (f", training_drift_factor={spec.training_drift_factor:g}" if spec.training_drift_factor is not None else "")
                   + (f", training_drift_every={spec.training_drift_every}" if spec.training_drift_every != TRAINING_DRIFT_EVERY else "")

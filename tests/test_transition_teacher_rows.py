@@ -70,8 +70,9 @@ def test_the_teacher_runs_on_the_rows_after_one_step_that_compares_them_with_the
     with caplog.at_level("INFO"):
         logged_trainer(tmp_path, _plugin(log_report=True, steps=40, teacher_rows=0.5), 4).fit(
             LM("demo"), train_dataloaders=loader())
-    # Step 0: the batch (its 4 rows), and the first 2 alone to compare; from step 1 (read at step 0's end) 2 rows.
-    assert teacher_rows_seen == [4, 2, 2, 2, 2]
+    # Step 0: the batch (its 4 rows), then the first 2 alone and the batch with its other rows swapped, to compare;
+    # from step 1 (read at step 0's end) 2 rows.
+    assert teacher_rows_seen == [4, 2, 4, 2, 2, 2]
     assert "teacher runs on the first 0.5 of each batch's rows from step 1 on" in caplog.text
     assert _report(tmp_path)["transition"]["teacher_rows"] == {"asked": 0.5, "ran_on": "rows", "reason": None}
     # ceil(share x rows): a third of 4 rows is 2
@@ -82,7 +83,7 @@ def test_the_teacher_runs_on_the_rows_after_one_step_that_compares_them_with_the
         logged_trainer(tmp_path / "third", _plugin(steps=40, teacher_rows=1 / 3), 3).fit(LM("demo"), train_dataloaders=loader())
     finally:
         _distill.trained_output = original
-    assert seen == [4, 2, 2, 2]
+    assert seen == [4, 2, 4, 2, 2]
 
 
 def _repeated_rows_loader() -> DataLoader:
@@ -101,7 +102,7 @@ def test_on_a_batch_of_equal_rows_the_rows_measure_and_train_what_the_batch_does
         logged_trainer(tmp_path / str(rows), _plugin(**spec), 6).fit(model, train_dataloaders=_repeated_rows_loader())
         logs[rows] = {n: csv_by_step(tmp_path / str(rows) / "logs", n) for n in names}
         losses[rows] = model.losses
-    assert teacher_rows_seen == [4] * 6 + [4, 2] + [2] * 5  # the default's 6, then the rows' run
+    assert teacher_rows_seen == [4] * 6 + [4, 2, 4] + [2] * 5  # the default's 6, then the rows' run
     for n in names:
         full, half = logs[None][n], logs[0.5][n]
         assert full.keys() == half.keys() and len(full) >= 5, n
@@ -139,14 +140,14 @@ def test_rows_that_see_one_another_keep_every_row_and_say_so(tmp_path, teacher_r
     with pytest.warns(LNLightningWarning, match=r"teacher_rows=0.5 can't hold on this model: the teacher's outputs on "
                                                 r"the first rows alone were not its outputs for those rows in the batch"):
         logged_trainer(tmp_path, _plugin(steps=40, teacher_rows=0.5), 3).fit(BatchMixingLM("demo"), train_dataloaders=loader())
-    assert teacher_rows_seen == [4, 2, 4, 4]  # compared once, then the batch
+    assert teacher_rows_seen == [4, 2, 4, 4, 4]  # compared once, then the batch
 
 
 def test_a_comparison_not_yet_read_keeps_the_batch(tmp_path, teacher_rows_seen):
     # Read on a logging step only (no host read on the others): before the first one, the teacher runs on the batch.
     trainer(tmp_path, _plugin(steps=40, teacher_rows=0.5), max_steps=5, log_every_n_steps=4).fit(
         LM("demo"), train_dataloaders=loader())
-    assert teacher_rows_seen == [4, 2, 4, 4, 4, 2]  # read at the end of step 3 (global_step 4)
+    assert teacher_rows_seen == [4, 2, 4, 4, 4, 4, 2]  # read at the end of step 3 (global_step 4)
 
 
 def test_the_rows_comparison_reads_the_host_on_a_logging_step_only(tmp_path):
@@ -162,7 +163,7 @@ def test_a_resumed_fit_keeps_the_rows_as_settled_and_gives_the_uninterrupted_wei
     spec = dict(steps=12, tolerance=0.5, teacher_rows=0.5)
     straight = LM("demo")
     trainer(tmp_path / "a", _plugin(**spec), max_steps=6, log_every_n_steps=1).fit(straight, train_dataloaders=loader())
-    assert teacher_rows_seen == [4, 2] + [2] * 5
+    assert teacher_rows_seen == [4, 2, 4] + [2] * 5
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
     trainer(tmp_path / "b", _plugin(**spec), max_steps=3, log_every_n_steps=1, callbacks=[ckpt]).fit(
         LM("demo"), train_dataloaders=loader())
@@ -175,3 +176,74 @@ def test_a_resumed_fit_keeps_the_rows_as_settled_and_gives_the_uninterrupted_wei
     assert teacher_rows_seen == [2, 2, 2]  # the rows as settled: no second comparison
     for k, v in straight.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
+
+
+class BatchNormLM(LM):
+    """A batch norm (train mode) over the embeddings' channels: each row's output depends on the batch's statistics."""
+
+    def __init__(self):
+        super().__init__("demo")
+        self.bn = torch.nn.BatchNorm1d(64)
+
+    def forward(self, idx):
+        out = self.model(idx)
+        return self.bn(out.transpose(1, 2)).transpose(1, 2)
+
+
+class MaskedMixingLM(BatchMixingLM):
+    """BatchMixingLM with one class masked at the dtype's lowest value (a padding token's logit)."""
+
+    def forward(self, idx):
+        out = super().forward(idx)
+        return torch.cat([torch.full_like(out[..., :1], torch.finfo(out.dtype).min), out[..., 1:]], -1)
+
+
+class MaskedLM(LM):
+    """Rows that see nothing of one another, one class masked at -inf."""
+
+    def forward(self, idx):
+        out = self.model(idx)
+        return torch.cat([torch.full_like(out[..., :1], -math.inf), out[..., 1:]], -1)
+
+
+@pytest.mark.parametrize("model, precision", [(BatchMixingLM, "bf16-mixed"), (BatchNormLM, "bf16-mixed"),
+                                              (BatchNormLM, "32-true"), (MaskedMixingLM, "32-true")],
+                         ids=["mixing-bf16", "batchnorm-bf16", "batchnorm", "mixing-masked-logit"])
+def test_rows_that_see_one_another_are_found_in_any_precision_and_with_a_masked_class(tmp_path, teacher_rows_seen,
+                                                                                       model, precision):
+    # (the comparison once scaled its tolerance by the dtype's epsilon and the largest logit: bf16 let a quarter of
+    # the largest logit pass, and one masked logit let anything pass)
+    with pytest.warns(LNLightningWarning, match="were not its outputs for those rows in the batch"):
+        logged_trainer(tmp_path, _plugin(steps=40, teacher_rows=0.5), 3, precision=precision).fit(
+            model("demo") if model is not BatchNormLM else model(), train_dataloaders=loader())
+    assert teacher_rows_seen == [4, 2, 4, 4, 4]
+
+
+def test_rows_that_see_nothing_of_one_another_pass_with_a_class_masked_at_minus_inf(tmp_path, teacher_rows_seen):
+    logged_trainer(tmp_path, _plugin(steps=40, teacher_rows=0.5), 3).fit(MaskedLM("demo"), train_dataloaders=loader())
+    assert teacher_rows_seen == [4, 2, 4, 2, 2]
+
+
+def test_inputs_cut_wrongly_fall_back_to_every_row_instead_of_failing_the_fit(tmp_path, teacher_rows_seen):
+    class Shared(LM):
+        def forward(self, idx, shared=None):
+            # an (n, n) table every row uses whole (as an attention bias over a sequence as long as the batch is wide)
+            assert shared is None or shared.shape == (4, 4), shared.shape
+            return self.model(idx)
+
+        def training_step(self, b, batch_idx):
+            x, y = b
+            logits = self(x, torch.zeros(4, 4))
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    with pytest.warns(LNLightningWarning, match=r"teacher's forward on the first rows raised AssertionError"):
+        logged_trainer(tmp_path, _plugin(steps=40, teacher_rows=0.5), 3).fit(Shared("demo"), train_dataloaders=loader())
+    assert teacher_rows_seen == [4, 2, 4, 4]  # the rows' forward failed (not counted): every row from then on
+
+
+def test_the_budget_end_warning_names_teacher_rows_once(tmp_path):
+    with pytest.warns(LNLightningWarning) as caught:
+        logged_trainer(tmp_path, _plugin(steps=4, tolerance=1e-12, teacher_rows=0.5), 6).fit(
+            LM("demo"), train_dataloaders=loader())
+    said = [str(w.message) for w in caught if "TransitionSpec(steps=" in str(w.message)]
+    assert said and all(m.count("teacher_rows=0.5") == 1 for m in said), said

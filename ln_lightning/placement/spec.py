@@ -202,12 +202,18 @@ class TransitionSpec:
             costs that share of a full one, and the distillation term, the drift and the loss excess are taken over
             those rows (the excess scaled up to the batch). The rows are the first ``ceil(teacher_rows * n)`` of every
             tensor argument of the LightningModule's forward whose first dimension is the output's ``n``. It holds
-            only where those rows compute the same outputs alone as in the batch, which is checked, not assumed:
-            where the model's forward draws random numbers (dropout: the teacher's masks on fewer rows are not the
-            model's) the teacher runs on every row; else the first measured step of each fit runs it both ways and
-            the rows are used from the first step that reads the blend on (a logging step) if their outputs are the
-            batch's within rounding (rows that see one another, a batch norm, a time-first layout, run on every row).
-            Either way the run says which, and the report JSON records it. ``None`` (the default): 1 (every row).
+            only where those rows compute alone what they compute in the batch, which is checked, not assumed: where
+            the model's forward draws random numbers (dropout: the teacher's masks on fewer rows are not the model's)
+            the teacher runs on every row; else the first measured step of each fit runs the teacher twice more (on
+            the rows alone, which must be within 1e-3 nats of their outputs in the batch, and on the batch with its
+            other rows replaced, which must leave theirs unchanged bit for bit), and the rows are used from the first
+            logging step on (where the comparison is read: no host read on other steps); rows that see one another (a
+            batch norm, a mix across rows) or inputs it can't cut run on every row. The run says which, the report
+            JSON records it, and a checkpoint keeps it for a resumed fit. The first dimension is taken to be the
+            batch's: a time-first causal model passes the check and is then measured on the first positions of every
+            sequence. Under DDP each rank checks its own batches (rank zero reports). ``None`` (the default): 1
+            (every row). Not adopted as the default: on the migration suite (order 26) it ended the x-transformers
+            encoder further above continuing unchanged than a teacher on every row, in the same compute.
     """
 
     steps: int
