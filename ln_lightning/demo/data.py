@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -15,6 +17,7 @@ _DEFAULT_MODULES = (
 )
 
 
+@functools.lru_cache(maxsize=16)  # (a study builds its data once per run: the same files, read and filtered once)
 def stdlib_corpus_text(max_chars: int = 1_000_000, files: tuple[str, ...] = _DEFAULT_MODULES) -> str:
     """Concatenate standard-library source files (ASCII only), up to `max_chars` characters."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -29,8 +32,8 @@ def stdlib_corpus_text(max_chars: int = 1_000_000, files: tuple[str, ...] = _DEF
             "pass a text file instead (CharCorpus.from_file)"
         )
     text = "\n".join(parts)
-    text = "".join(ch if ord(ch) < 128 else "?" for ch in text)
-    return text[:max_chars]
+    # every character outside ASCII becomes "?" (the codec's replacement, one per character)
+    return text.encode("ascii", errors="replace").decode("ascii")[:max_chars]
 
 
 class CharCorpus(Dataset):
@@ -39,7 +42,8 @@ class CharCorpus(Dataset):
     vocab_size = 128
 
     def __init__(self, text: str, block_size: int = 128, stride: int | None = None):
-        data = torch.tensor([min(ord(c), 127) for c in text], dtype=torch.long)
+        # each character's code point, 127 above ASCII (the code points read from UTF-32, not a Python loop)
+        data = torch.from_numpy(np.frombuffer(text.encode("utf-32-le"), dtype="<u4").clip(max=127).astype(np.int64))
         if data.numel() <= block_size + 1:
             raise ValueError(f"text of {data.numel()} characters is too short for block_size={block_size}")
         self.data = data
