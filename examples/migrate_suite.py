@@ -772,6 +772,7 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
             self.loss, self.batch_sum, self.blend, self.evals, self.teacher = [], [], [], [], []
             self.start, self.units = None, 0.0
             self.training_drift_forwards = 0  # the training drift's extra forwards (TransitionSpec.training_drift_factor)
+            self.teacher_units = 0.0  # the teacher's forwards, in units (a share of one where it ran on fewer rows)
 
         def _teacher_runs(self, pl_module) -> bool:
             # A closed loop that spent its budget short of blend 1 holds the blend and pauses its distillation: no
@@ -807,6 +808,7 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
             teacher = self._teacher_runs(pl_module)
             self.teacher.append(teacher)
             self.units += UNITS_FWD + UNITS_BWD + (UNITS_FWD if teacher else 0)
+            self.teacher_units += UNITS_FWD if teacher else 0
             if teacher and training_drift_forward(self.plugin, t):
                 self.units += UNITS_FWD
                 self.training_drift_forwards += 1
@@ -821,6 +823,7 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
             now, nxt_share = self._teacher_share()
             if self.teacher[-1]:  # charged a full forward at the step's start: what it cost
                 self.units += UNITS_FWD * (now - 1.0)
+                self.teacher_units += UNITS_FWD * (now - 1.0)
             if self.budget_units is not None and arm in UNCHARGED_TEACHER:
                 if len(self.loss) >= budget:  # as many steps as continuing unchanged (its compute exceeded: counted)
                     trainer.should_stop = True
@@ -891,7 +894,7 @@ def train_one(model_name: str, arm: str, budget: int | None, seed: int, hp: dict
     return {
         "model": model_name, "arm": arm, "budget": budget, "seed": seed, "start_step": probe.start, "steps": len(probe.loss),
         "loss": probe.loss, "batch_sum": probe.batch_sum, "blend": probe.blend, "evals": probe.evals, "teacher_steps": sum(probe.teacher),
-        "training_drift_forwards": probe.training_drift_forwards,
+        "training_drift_forwards": probe.training_drift_forwards, "teacher_units": probe.teacher_units,
         "units": probe.units, "budget_units": budget_units, "final_blend": getattr(probe, "final_blend", None),
         "plugin": plugin_settings(plugin),
         "plugin_logs": memory.rows, "warnings": dedup[:20], "error": error,
@@ -959,7 +962,7 @@ def analyse_arm(r: dict, level: float) -> dict:
     return {
         "at_switch": evals[0][1], "worst_excess": evals[i_peak][1] - level, "worst_step": evals[i_peak][0],
         "final": evals[-1][1], "steps": r["steps"], "units": r["units"], "budget_units": r["budget_units"],
-        "teacher_steps": r["teacher_steps"], "training_drift_forwards": r.get("training_drift_forwards"), "transition_end": end if any(b is not None for b in blend) else None,
+        "teacher_steps": r["teacher_steps"], "teacher_units": r.get("teacher_units"), "training_drift_forwards": r.get("training_drift_forwards"), "transition_end": end if any(b is not None for b in blend) else None,
         "blend_reached": (1.0 if r["final_blend"] is None else r["final_blend"]) if r["arm"] != "unchanged" else None,
         "evals": [[s, round(v, 5)] for s, v in evals], "error": r.get("error"), "warnings": r.get("warnings", []),
         "wall_s": r["wall_s"], "same_batches": None, "ln_lightning": r.get("ln_lightning"),
