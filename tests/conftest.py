@@ -43,7 +43,10 @@ import torch
 # cache built; 1,199 tests, nothing else running): 94.8 s wall with the Python loop at 1.07 s, then 109.6 and 101.5 s
 # (94-103 s in pytest) with it at 1.77 s; importing lightning.pytorch 8.0 s; a sum of 123 worker-s of test durations
 # (no test above 3.7 s: the time is spread over many) and 12.6-17 s of collection per worker (Lightning's import pulls
-# in torchmetrics, transformers and matplotlib). The issue's 60 s held on the idle day only.
+# in torchmetrics, transformers and matplotlib). Measured again on 2026-12-08 (1,216 tests, the checkout's venv with the
+# kernel cache built, nothing else running, the Python loop 1.13 s): 115.0 s wall (107.6 s in pytest), and 107.0 s
+# (98.9 s) with 1,201 tests earlier that day; collecting alone 22 s (13.4 s in pytest). The issue's 60 s held on the
+# idle day only.
 torch.set_num_threads(1)
 
 # CI (CI=true) runs the property tests on hypothesis' fixed, derandomized examples, so a run's result is

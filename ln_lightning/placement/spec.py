@@ -211,7 +211,9 @@ class TransitionSpec:
             batch norm, a mix across rows) or inputs it can't cut run on every row. The run says which, the report
             JSON records it, and a checkpoint keeps it for a resumed fit. The first dimension is taken to be the
             batch's: a time-first causal model passes the check and is then measured on the first positions of every
-            sequence. Under DDP each rank checks its own batches (rank zero reports). ``None`` (the default): 1
+            sequence. The check is made on one batch: a dependence between rows that batch does not show (a
+            mixture of experts' capacity, overflowing on other batches) is not seen. Under DDP each rank checks its
+            own batches (rank zero reports). ``None`` (the default): 1
             (every row). Not adopted as the default: on the migration suite (order 26) it ended the x-transformers
             encoder further above continuing unchanged than a teacher on every row, in the same compute.
     """
