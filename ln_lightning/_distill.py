@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from torch.nn import functional as F
 
 from ln_lightning.placement.migrate import blend
 from ln_lightning.placement.migrate.teacher import (frozen_copy, kl_per_position, kl_to_teacher, logits_of, loss_excess,
@@ -419,10 +418,7 @@ def _first_rows(value: Any, n: int, rows: int) -> Any:
 def _largest_kl(in_batch: torch.Tensor, alone: torch.Tensor) -> torch.Tensor:
     """The largest KL(in batch || alone) over the positions, in float32, on the device; a class both give no
     probability (a masked logit, -inf or the dtype's lowest) adds nothing."""
-    t = F.log_softmax(in_batch.detach().reshape(-1, in_batch.size(-1)).float(), -1)
-    s = F.log_softmax(alone.detach().reshape(-1, alone.size(-1)).float(), -1)
-    p = t.exp()
-    return torch.where(p > 0, p * (t - s), torch.zeros_like(p)).sum(-1).amax()
+    return kl_per_position(alone.detach(), in_batch).amax()
 
 
 def _other_rows_swapped(value: Any, n: int, rows: int) -> Any:

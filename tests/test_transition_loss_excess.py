@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from ln_lightning import LNLightningWarning, TransitionSpec, _distill
 from ln_lightning.placement.migrate import transition
-from ln_lightning.placement.migrate.teacher import loss_excess
+from ln_lightning.placement.migrate.teacher import kl_per_position, loss_excess
 from ln_lightning.placement.spec import EXCESS_TOLERANCE
 from ln_lightning.plugin import REPORT_FILENAME, LNPlacement
 
@@ -310,3 +310,28 @@ def test_a_resumed_fit_smooths_the_excess_from_where_the_uninterrupted_one_was(t
     monkeypatch.setattr(TransitionRun, "restore", lambda self, entry: None)
     _, afresh = fit(tmp_path / "d", 10, ckpt_path=path)
     assert afresh[0] != pytest.approx(logged[4], rel=1e-3)  # the check above can fail
+
+
+def test_a_class_both_mask_at_minus_inf_adds_nothing_to_the_kl_or_the_excess():
+    # (a logit masked at -inf in both outputs made the distillation term and the excess NaN: -inf - -inf)
+    student, teacher, y = _case(0, False)
+    y = torch.where(y == 0, torch.ones_like(y), y)  # no label on the masked class
+    masked_s = torch.cat([torch.full_like(student[..., :1], -math.inf), student[..., 1:]], -1)
+    masked_t = torch.cat([torch.full_like(teacher[..., :1], -math.inf), teacher[..., 1:]], -1)
+
+    def loss(z):
+        return F.cross_entropy(z.reshape(-1, z.size(-1)), y.reshape(-1))
+
+    # references without the masked class, in float64 (the masked class has no probability in either)
+    p = F.log_softmax(teacher[..., 1:], -1)
+    expected_kl = (p.exp() * (p - F.log_softmax(student[..., 1:], -1))).sum(-1).reshape(-1)
+    kl = kl_per_position(masked_s.float(), masked_t.float())
+    torch.testing.assert_close(kl, expected_kl.float(), rtol=1e-4, atol=1e-6)
+    (g,) = torch.autograd.grad(kl.sum(), masked_s)
+    assert torch.isfinite(g).all() and (g[..., 0] == 0).all()
+
+    (grad,) = torch.autograd.grad(loss(masked_s), masked_s)
+    got = loss_excess(grad.float(), masked_s.float(), masked_t.float()).item()
+    expected = (F.cross_entropy(student[..., 1:].reshape(-1, 10), y.reshape(-1) - 1)
+                - F.cross_entropy(teacher[..., 1:].reshape(-1, 10), y.reshape(-1) - 1)).item()
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)

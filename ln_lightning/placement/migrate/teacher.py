@@ -97,11 +97,19 @@ def logits_of(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _weighted_gap(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``p * (a - b)`` where ``p > 0``, else 0: a class with no probability (a logit masked at -inf, whose log-
+    probability difference is -inf - -inf, not a number) adds nothing, as it does to the KL. The same value, bit for
+    bit, wherever the logits are finite."""
+    return torch.where(p > 0, p * (a - b), torch.zeros_like(p))
+
+
 def kl_per_position(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) of the distributions over the last dimension, one per position (flattened)."""
+    """KL(teacher || student) of the distributions over the last dimension, one per position (flattened); a class
+    the teacher gives no probability adds nothing (one both mask at -inf made it NaN)."""
     t = F.log_softmax(teacher.detach().reshape(-1, teacher.size(-1)).float(), -1)
     s = F.log_softmax(student.reshape(-1, student.size(-1)).float(), -1)
-    return (t.exp() * (t - s)).sum(-1)
+    return _weighted_gap(t.exp(), t, s).sum(-1)
 
 
 def kl_to_teacher(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -150,7 +158,7 @@ def loss_excess(loss_grad: torch.Tensor | None, student: torch.Tensor, teacher: 
     rows = max(1, _EXCESS_CHUNK // max(1, n))
     for start in range(0, g_all.size(0), rows):
         g, zs, zt = (t[start:start + rows].float() for t in (g_all, zs_all, zt_all))
-        first = first + (g * (zs - zt)).sum()
+        first = first + torch.where(g != 0, g * (zs - zt), torch.zeros_like(g)).sum()  # (a masked class: g is 0)
         log_q = F.log_softmax(zs, -1)
         y = g.argmin(-1, keepdim=True)
         g_y = g.gather(-1, y).squeeze(-1)
@@ -160,7 +168,7 @@ def loss_excess(loss_grad: torch.Tensor | None, student: torch.Tensor, teacher: 
         rebuilt.scatter_add_(-1, y, -w[:, None])
         mismatch = mismatch + (rebuilt - g).abs().sum()
         size = size + g.abs().sum()
-        exact_gap = exact_gap + (w * (q * (log_q - F.log_softmax(zt, -1))).sum(-1)).sum()
+        exact_gap = exact_gap + (w * _weighted_gap(q, log_q, F.log_softmax(zt, -1)).sum(-1)).sum()
     cross_entropy = mismatch <= within * size + 1e-30
     return torch.where(cross_entropy, first - exact_gap, first)
 
