@@ -29,6 +29,11 @@ log = logging.getLogger("ln_lightning.plugin")
 CHECKPOINT_KEY = "ln_lightning_transition_run"
 
 
+def _log_every(trainer: Trainer) -> int:
+    """Lightning's log_every_n_steps (50 where the Trainer has none): the steps that may read the host."""
+    return max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
+
+
 class TransitionRun:
     """What one fit of a model in a transition holds, from `on_train_start` to the end of the Trainer call."""
 
@@ -150,9 +155,8 @@ class TransitionRun:
             distill.stop(keep=False)
             self._warn_no_distillation(trainer, distill.off_reason, t, self.spec.loss_tolerance, self.spec.excess_tolerance)
         if distill is not None and distill.rows_state == "pending" and stepped:
-            # (TransitionSpec.teacher_rows) the rows' comparison is read on a step that reads the host anyway
-            every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
-            if trainer.global_step % every == 0:
+            # (TransitionSpec.teacher_rows) the rows' comparison is read once, on a logging step
+            if trainer.global_step % _log_every(trainer) == 0:
                 distill.read_rows_verdict()
         if distill is not None and distill.rows_news is not None:
             self._say_rows(trainer)
@@ -258,8 +262,8 @@ class TransitionRun:
             self.last_tolerance = raised["last_tolerance"].detach()
 
     def _say_rows(self, trainer: Trainer) -> None:
-        """Say where TransitionSpec.teacher_rows settled: the teacher on the rows (info), or on every row (a warning
-        where teacher_rows was asked for; info where it is the default)."""
+        """Say where TransitionSpec.teacher_rows settled: the teacher on the rows (info), or on every row (a warning:
+        only a teacher_rows that was asked for is compared)."""
         d = self.distill
         news, d.rows_news = d.rows_news, None
         if not trainer.is_global_zero:
@@ -268,12 +272,10 @@ class TransitionRun:
         if news == "rows":
             info(log, f"LNPlacement: the transition's teacher runs on the first {share} of each batch's rows from step "
                       f"{trainer.global_step} on (teacher_rows={share}): their outputs alone were the batch's.")
-        elif self.spec.teacher_rows is not None:
+        else:
             warn(f"LNPlacement: teacher_rows={share} can't hold on this model: {d.rows_reason}. The transition's teacher "
                  "runs on every row of the batch instead, its forward a full one (as teacher_rows=None asks; pass that "
                  "to silence this).")
-        else:
-            info(log, f"LNPlacement: the transition's teacher runs on every row of the batch: {d.rows_reason}.")
 
     def rows_entry(self) -> dict | None:
         """The report JSON's account of TransitionSpec.teacher_rows, where it was asked for."""
@@ -346,7 +348,7 @@ class TransitionRun:
             # an even log_every_n_steps) would show no drift
             self._log_held(pl_module, t)
         self._track_move(t, gated=not self.endpoint and not skipped)
-        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
+        every = _log_every(trainer)
         done = t.host_steps + 1
         a = state.advance(pl_module, check=done % every == 0)
         if a is None or a >= 1.0:
@@ -435,7 +437,7 @@ class TransitionRun:
             t.retreat(1.0)  # the last step: exactly 0 (the blend is at most 1)
         else:
             t.retreat(self.spec.rate(), allow)
-            every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
+            every = _log_every(trainer)
             if self.after_budget_steps % every or float(t.blend) > 0.0:  # (the read: on logging steps only)
                 return
         self._back_at_zero(trainer, t)
